@@ -1,0 +1,41 @@
+"""Runs one vLLM engine for a benchmark in this process: stock vLLM (plugins off) or sekv.
+
+Each backend gets its own process, so the stock reference never loads the plugin.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+STOCK_PLUGINS = "none-stock-vllm"  # VLLM_PLUGINS is an allow-list: this name matches no plugin
+
+
+def run_in_subprocess(module: str, spec: dict, stock: bool) -> dict:
+    env = {**os.environ, **ENGINE_ENV}
+    if stock:
+        env["VLLM_PLUGINS"] = STOCK_PLUGINS
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} worker failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def make_llm(model: str, sekv: dict | None, max_model_len: int):
+    from vllm import LLM
+
+    kwargs = {"additional_config": {"sekv": sekv}} if sekv is not None else {}
+    return LLM(model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
+               enable_prefix_caching=False, **kwargs)
+
+
+def timed_generate(llm, prompts, params) -> tuple[list, float]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, time.perf_counter() - start

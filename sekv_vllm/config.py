@@ -1,0 +1,105 @@
+"""User-facing configuration, validated once at the edge.
+
+Deployment settings: `SeKVConfig`, passed as `--additional-config '{"sekv": {...}}'` or
+`LLM(additional_config={"sekv": {...}})`. Per-request settings: `RequestOverrides`, passed in
+`SamplingParams.extra_args` (OpenAI body: `"vllm_xargs": {"sekv_budget_ratio": 0.5}`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ADDITIONAL_CONFIG_KEY = "sekv"
+REQUEST_KEY_PREFIX = "sekv_"
+
+
+class SeKVConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and what is allowed."""
+
+
+def _describe(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{where}{field}: {e['msg']}{got}")
+    return "; ".join(lines)
+
+
+class SeKVConfig(BaseModel):
+    """Deployment-wide SeKV settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="prompt rows attended per decode step, as a fraction of the prompt")
+    token_budget: int | None = Field(None, ge=1, description="absolute rows per decode step; overrides budget_ratio")
+    min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
+    window: int = Field(64, ge=1, description="last prompt tokens kept at full resolution")
+    zoom_share: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="share of the budget kept for zoomed spans; anchors are demoted until the rest fits",
+    )
+    alpha: float = Field(1.0, ge=-3.0, le=10.0, description="anchor threshold: mean + alpha * std of surprisal")
+    l_min: int = Field(4, ge=1, le=64, description="runs shorter than this stay at full resolution")
+    max_span: int = Field(64, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
+    r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
+    zoom_policy: Literal["span_score"] = "span_score"
+    host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")
+    stats_path: str | None = Field(None, description="append one JSON line of figures per compressed request here")
+
+    @model_validator(mode="after")
+    def _spans_longer_than_runs(self) -> "SeKVConfig":
+        if self.max_span < 2 * self.l_min:
+            raise ValueError(f"max_span ({self.max_span}) must be at least 2 * l_min ({2 * self.l_min})")
+        return self
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> "SeKVConfig | None":
+        """The `sekv` entry of vLLM's additional_config, validated; None when absent."""
+        if not isinstance(additional_config, dict) or ADDITIONAL_CONFIG_KEY not in additional_config:
+            return None
+        raw = additional_config[ADDITIONAL_CONFIG_KEY]
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SeKVConfigError(f"additional_config.sekv must be an object of settings, got {type(raw).__name__}")
+        try:
+            return cls(**raw)
+        except ValidationError as err:
+            raise SeKVConfigError("invalid sekv config: " + _describe(err, "sekv.")) from None
+
+    def budget_for(self, prompt_len: int, overrides: "RequestOverrides") -> int:
+        """Rows the prompt may occupy per decode step for one request."""
+        if overrides.sekv_token_budget is not None:
+            return overrides.sekv_token_budget
+        if overrides.sekv_budget_ratio is not None:
+            return max(1, math.ceil(overrides.sekv_budget_ratio * prompt_len))
+        if self.token_budget is not None:
+            return self.token_budget
+        return max(1, math.ceil(self.budget_ratio * prompt_len))
+
+
+class RequestOverrides(BaseModel):
+    """Per-request settings read from SamplingParams.extra_args (keys starting with `sekv_`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sekv_compress: bool = Field(True, description="false keeps this request at full KV")
+    sekv_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    sekv_token_budget: int | None = Field(None, ge=1)
+
+    @classmethod
+    def from_extra_args(cls, extra_args: dict[str, Any] | None) -> "RequestOverrides":
+        """Validate the `sekv_*` keys of a request; other keys belong to others and are ignored."""
+        ours = {k: v for k, v in (extra_args or {}).items() if k.startswith(REQUEST_KEY_PREFIX)}
+        unknown = sorted(set(ours) - set(cls.model_fields))
+        if unknown:
+            raise SeKVConfigError(
+                f"unknown per-request field(s) {unknown}; allowed: {sorted(cls.model_fields)}"
+            )
+        try:
+            return cls(**ours)
+        except ValidationError as err:
+            raise SeKVConfigError("invalid per-request sekv setting: " + _describe(err, "")) from None

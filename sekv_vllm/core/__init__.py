@@ -1,0 +1,21 @@
+"""The SeKV method in plain torch. Nothing under core/ imports vLLM."""
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans
+from sekv_vllm.core.mixed_attention import exact_attention, mixed_attention
+from sekv_vllm.core.segmentation import SpanLayout, segment_prompt, surprisal_threshold
+from sekv_vllm.core.span_memory import LayerSpanMemory, attend_memory, compress_layer
+from sekv_vllm.core.span_summary import summarize_spans
+
+__all__ = [
+    "LayerSpanMemory",
+    "SpanBases",
+    "SpanLayout",
+    "attend_memory",
+    "compress_layer",
+    "exact_attention",
+    "fit_span_bases",
+    "mixed_attention",
+    "rebuild_spans",
+    "segment_prompt",
+    "summarize_spans",
+    "surprisal_threshold",
+]

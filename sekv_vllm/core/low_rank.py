@@ -1,0 +1,73 @@
+"""Per-span, per-KV-head rank-r SVD bases and the rebuild of token rows from them.
+
+A span's rows X [|S|, D] (one KV head) are stored as coefficients C = U_r diag(s_r)
+[|S|, r] and a basis B = V_r^T [r, D], with r = min(|S|, D, r_max); X_hat = C B.
+Exact truncated SVD is used (the reference code's randomized SVD only approximates it).
+Coefficients are stored per token, spans back to back, so no padding is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sekv_vllm.core.span_summary import span_token_index
+
+
+@dataclass(frozen=True)
+class SpanBases:
+    """Low-rank factors of every span of one layer, for keys or for values.
+
+    coef:       [P, Hkv, R]    U diag(s) rows, P = total span tokens, spans in order
+    basis:      [S, Hkv, R, D] V^T of each span (rows past a span's rank are zero)
+    row_offset: [S] int64      first row of each span in `coef`
+    span_len:   [S] int64
+    """
+
+    coef: torch.Tensor
+    basis: torch.Tensor
+    row_offset: torch.Tensor
+    span_len: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.coef, self.basis, self.row_offset, self.span_len))
+
+
+def fit_span_bases(
+    x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, r_max: int
+) -> SpanBases:
+    """Rank-r factors of each span of x.
+
+    x: [T, Hkv, D]; span_start, span_len: [S] int64
+    """
+    T, Hkv, D = x.shape
+    S = span_start.numel()
+    row_offset = torch.cumsum(span_len, 0) - span_len
+    if S == 0:
+        return SpanBases(x.new_zeros(0, Hkv, 0), x.new_zeros(0, Hkv, 0, D), row_offset, span_len)
+    index, valid = span_token_index(span_start, span_len)
+    L = index.shape[1]
+    R = min(L, D, r_max)
+    # Padded rows are zero: they change neither singular values nor right singular vectors.
+    xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3)  # [S, Hkv, L, D]
+    u, sv, vh = torch.linalg.svd(xs, full_matrices=False)
+    coef = (u[..., :R] * sv[..., None, :R]).permute(0, 2, 1, 3)  # [S, L, Hkv, R]
+    coef = coef[valid]  # [P, Hkv, R]
+    return SpanBases(coef.to(x.dtype).contiguous(), vh[..., :R, :].to(x.dtype).contiguous(), row_offset, span_len)
+
+
+def rebuild_spans(bases: SpanBases, span_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of the chosen spans, rebuilt from their factors.
+
+    span_ids: [Z] int64 spans to rebuild
+    returns (rows [M, Hkv, D] float32, row_span [M] int64 span id of each row), M = sum of lengths
+    """
+    Hkv, D = bases.basis.shape[1], bases.basis.shape[3]
+    if span_ids.numel() == 0:
+        return bases.basis.new_zeros(0, Hkv, D, dtype=torch.float32), span_ids.new_zeros(0)
+    index, valid = span_token_index(bases.row_offset[span_ids], bases.span_len[span_ids])
+    coef = bases.coef.float()[index]  # [Z, L, Hkv, R]
+    rows = torch.einsum("zlhr,zhrd->zlhd", coef, bases.basis.float()[span_ids])
+    row_span = span_ids[:, None].expand_as(index)
+    return rows[valid], row_span[valid]

@@ -1,0 +1,66 @@
+"""The compressed prompt memory of one layer: summaries (fast tier) and low-rank bases (host pool)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans
+from sekv_vllm.core.mixed_attention import mixed_attention
+from sekv_vllm.core.segmentation import SpanLayout
+from sekv_vllm.core.span_summary import summarize_spans
+
+
+@dataclass(frozen=True)
+class LayerSpanMemory:
+    """summary_k, summary_v: [S, Hkv, D]; span_len: [S] int64; bases for keys and values."""
+
+    summary_k: torch.Tensor
+    summary_v: torch.Tensor
+    span_len: torch.Tensor
+    bases_k: SpanBases
+    bases_v: SpanBases
+
+    @property
+    def summary_nbytes(self) -> int:
+        return 2 * self.summary_k.numel() * self.summary_k.element_size()
+
+    @property
+    def bases_nbytes(self) -> int:
+        return self.bases_k.nbytes + self.bases_v.nbytes
+
+
+def compress_layer(
+    k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int
+) -> LayerSpanMemory:
+    """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float."""
+    summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len)
+    summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len)
+    return LayerSpanMemory(
+        summary_k,
+        summary_v,
+        layout.span_len,
+        fit_span_bases(k, layout.span_start, layout.span_len, r_max),
+        fit_span_bases(v, layout.span_start, layout.span_len, r_max),
+    )
+
+
+def attend_memory(
+    q: torch.Tensor,
+    full_k: torch.Tensor,
+    full_v: torch.Tensor,
+    memory: LayerSpanMemory,
+    zoom: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Rebuild the spans any head zoomed into and attend everything in one softmax.
+
+    q: [H, D]; full_k, full_v: [N, Hkv, D]; zoom: [H, S] bool; returns [H, D] float32
+    """
+    span_ids = torch.nonzero(zoom.any(dim=0)).flatten()
+    zoom_k, zoom_span = rebuild_spans(memory.bases_k, span_ids)
+    zoom_v, _ = rebuild_spans(memory.bases_v, span_ids)
+    return mixed_attention(
+        q, full_k, full_v, memory.summary_k, memory.summary_v, memory.span_len,
+        zoom, zoom_k, zoom_v, zoom_span, scale,
+    )

@@ -1,0 +1,1 @@
+"""Engine adapters; vllm/ is the only one so far."""

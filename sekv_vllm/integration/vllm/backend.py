@@ -1,0 +1,180 @@
+"""SeKV attention backend for vLLM's CPU platform.
+
+Prefill is vLLM's own exact attention over its pages. The builder plans once per step for
+every layer: which token rows the SeKV runtime captures (a prefilling request's prompt rows,
+a compressed request's new rows), which decode rows it answers, and vLLM metadata for the
+rows that stay exact. The impl executes: vLLM's kernel for the exact rows, the SeKV mixed
+attention for the compressed ones. The runtime keeps its own copy of the rows it needs, so
+it never depends on the kernel's private page layout.
+
+        batch rows:   [ decode, decode, decode | prefill chunk ... ]
+        compressed:   [   yes ,   no  ,  yes   |       no         ]
+        exact subset: [          row 1         |   prefill rows   ]  -> vLLM's CPU kernel
+        sekv rows:    [ row 0 ,         row 2  ]                    -> runtime.attend per request
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from sekv_vllm.integration.vllm.runner_bridge import current_bridge
+
+
+@dataclass
+class SeKVStepPlan:
+    """What one step does for SeKV requests; shared by every layer.
+
+    captures:    (req_id, first token row, rows, first position) of rows the runtime keeps
+    attend_rows: token rows of compressed decode requests, answered by the runtime
+    attend_ids:  their request ids
+    exact_rows:  [E] int64 token rows left to vLLM's kernel (None: all rows are SeKV's)
+    exact:       vLLM metadata for exactly those rows (None: all rows are SeKV's)
+    """
+
+    captures: list[tuple[str, int, int, int]]
+    attend_rows: list[int]
+    attend_ids: list[str]
+    exact_rows: torch.Tensor | None
+    exact: CPUAttentionMetadata | None
+
+
+@dataclass
+class SeKVAttentionMetadata(CPUAttentionMetadata):
+    sekv: SeKVStepPlan | None = None
+
+
+class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> CPUAttentionMetadata:
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        bridge = current_bridge()
+        if bridge is None or not bridge.has_active():
+            return meta
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        runtime = bridge.runtime
+        req_ids = bridge.batch_req_ids(num_reqs)
+        qsl = cm.query_start_loc_cpu.tolist()
+        seq_lens = cm.seq_lens.cpu().tolist()
+
+        captures, attend_rows, attend_ids, exact_reqs = [], [], [], []
+        for i, req_id in enumerate(req_ids):
+            n = qsl[i + 1] - qsl[i]
+            if runtime.is_active(req_id):
+                captures.append((req_id, qsl[i], n, seq_lens[i] - n))
+            if n == 1 and runtime.is_compressed(req_id):
+                attend_rows.append(qsl[i])
+                attend_ids.append(req_id)
+            else:
+                exact_reqs.append(i)
+        if not captures:
+            return meta
+        if not attend_rows:
+            exact_rows, exact = None, meta
+        elif exact_reqs:
+            exact_rows, exact = self._subset(meta, cm, exact_reqs)
+        else:
+            exact_rows, exact = None, None
+        plan = SeKVStepPlan(captures, attend_rows, attend_ids, exact_rows, exact)
+        return SeKVAttentionMetadata(**vars(meta), sekv=plan)
+
+    def _subset(
+        self, meta: CPUAttentionMetadata, cm: CommonAttentionMetadata, reqs: list[int]
+    ) -> tuple[torch.Tensor, CPUAttentionMetadata]:
+        """Metadata for the requests `reqs` alone, with their token rows in the full batch."""
+        qsl = cm.query_start_loc_cpu
+        idx = torch.tensor(reqs, dtype=torch.int64)
+        lens = (qsl[1:] - qsl[:-1])[idx]
+        token_rows = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in reqs])
+        sub_qsl = torch.zeros(len(reqs) + 1, dtype=qsl.dtype)
+        torch.cumsum(lens, 0, out=sub_qsl[1:])
+        seq_lens = cm.seq_lens[idx].contiguous()
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(reqs),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=sub_qsl,
+            causal=meta.causal,
+            sliding_window_size=self.window_size,
+            isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        sub = CPUAttentionMetadata(
+            num_actual_tokens=int(token_rows.numel()),
+            max_query_len=int(lens.max()),
+            query_start_loc=sub_qsl,
+            max_seq_len=int(seq_lens.max()),
+            seq_lens=seq_lens,
+            block_table=meta.block_table[idx].contiguous(),
+            slot_mapping=meta.slot_mapping[token_rows],
+            scheduler_metadata=scheduler_metadata,
+            causal=meta.causal,
+        )
+        return token_rows, sub
+
+
+class SeKVAttentionImpl(CPUAttentionBackendImpl):
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query: [num_tokens, H, D]; kv_cache: [num_blocks, Hkv, block_size, 2 * D]."""
+        plan = getattr(attn_metadata, "sekv", None)
+        if plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        runtime = current_bridge().runtime
+        name = layer.layer_name
+        for req_id, row, n, start in plan.captures:
+            runtime.capture(req_id, name, start, key[row : row + n], value[row : row + n])
+        if plan.exact is not None and plan.exact_rows is None:
+            super().forward(layer, query, key, value, kv_cache, plan.exact, output, output_scale, output_block_scale)
+        elif plan.exact is not None:
+            out_exact = output.new_empty((plan.exact_rows.numel(), *output.shape[1:]))
+            super().forward(layer, query[plan.exact_rows], key, value, kv_cache, plan.exact, out_exact,
+                            output_scale, output_block_scale)
+            output[plan.exact_rows] = out_exact
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        for row, req_id in zip(plan.attend_rows, plan.attend_ids):
+            q = query[row].view(self.num_heads, self.head_size)
+            out[row] = runtime.attend(req_id, name, q, self.scale).to(out.dtype)
+        return output
+
+
+class SeKVAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        # vLLM looks a backend up by an existing enum member's name; this one replaces CPU_ATTN.
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[SeKVAttentionImpl]:
+        return SeKVAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SeKVMetadataBuilder]:
+        return SeKVMetadataBuilder

@@ -1,0 +1,132 @@
+"""The worker-side hook: what vLLM's model runner knows, handed to the SeKV runtime.
+
+Around each `execute_model` of a runner whose config carries `sekv`:
+  before: release finished and preempted requests (both tiers), admit new ones;
+  after:  surprisal of the prompt tokens prefilled this step, from the model's own logits
+          over them (s_t = -log p(x_t | x_<t)), and compression of every request whose
+          prompt is now complete, read back from vLLM's pages.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from sekv_vllm.config import SeKVConfig
+from sekv_vllm.runtime import SeKVRuntime, Status
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+logger = logging.getLogger("sekv_vllm")
+
+_current: "RunnerBridge | None" = None
+# Rows of logits computed at once for surprisal: bounds the [rows, vocab] float32 buffer.
+_LOGIT_CHUNK = 256
+
+
+def current_bridge() -> "RunnerBridge | None":
+    """The bridge of the runner executing the current step in this process."""
+    return _current
+
+
+class RunnerBridge:
+    def __init__(self, runner: "GPUModelRunner", config: SeKVConfig) -> None:
+        self.runner = runner
+        forward_context = runner.compilation_config.static_forward_context
+        self.layers = {
+            name: layer for name, layer in forward_context.items() if hasattr(layer, "impl") and hasattr(layer, "kv_cache")
+        }
+        self.runtime = SeKVRuntime(config, list(self.layers))
+
+    # -- step hooks ----------------------------------------------------------------------
+    def before_step(self, scheduler_output: "SchedulerOutput") -> None:
+        global _current
+        _current = self
+        for req_id in scheduler_output.finished_req_ids:
+            self._release(req_id, "finished")
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._release(req_id, "preempted")
+        for new in scheduler_output.scheduled_new_reqs:
+            if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
+                self._release(new.req_id, "restarted")
+            extra = new.sampling_params.extra_args if new.sampling_params else None
+            self.runtime.admit(new.req_id, len(new.prompt_token_ids or ()), extra)
+
+    def after_step(self, scheduler_output: "SchedulerOutput") -> None:
+        state = self.runner.execute_model_state
+        if state is None:
+            return
+        hidden = state.hidden_states
+        qsl = self.runner.query_start_loc.cpu
+        for i, req_id in enumerate(self.runner.input_batch.req_ids):
+            mem = self.runtime.get(req_id)
+            if mem is None or mem.status is not Status.PREFILLING:
+                continue
+            req = self.runner.requests[req_id]
+            start = req.num_computed_tokens  # before this step
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
+            if start + n >= mem.prompt_len:
+                self._compress(req_id)
+
+    # -- batch facts for the metadata builder ----------------------------------------------
+    def batch_req_ids(self, num_reqs: int) -> list[str]:
+        return self.runner.input_batch.req_ids[:num_reqs]
+
+    def has_active(self) -> bool:
+        """Whether any request of this worker needs SeKV (prefilling or compressed)."""
+        return any(self.runtime.is_active(r) for r in self.runtime.requests)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _record_surprisal(
+        self, req_id: str, prompt: list[int], hidden: torch.Tensor, row0: int, start: int, n: int
+    ) -> None:
+        """hidden[row0 + j] is position start + j and predicts prompt token start + j + 1."""
+        T = len(prompt)
+        stop = min(start + n, T - 1)
+        if stop <= start:
+            return
+        targets = torch.tensor(prompt[start + 1 : stop + 1], dtype=torch.int64)
+        values = []
+        for a in range(0, stop - start, _LOGIT_CHUNK):
+            b = min(a + _LOGIT_CHUNK, stop - start)
+            logits = self.runner.model.compute_logits(hidden[row0 + a : row0 + b]).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            values.append(-logp.gather(1, targets[a:b, None]).squeeze(1))
+        self.runtime.record_surprisal(req_id, torch.arange(start + 1, stop + 1), torch.cat(values))
+
+    def _compress(self, req_id: str) -> None:
+        mem = self.runtime.compress(req_id)
+        if mem.status is Status.COMPRESSED:
+            kv_cache = next(iter(self.layers.values())).kv_cache
+            # Pages are not returned to vLLM's pool yet: say what it still holds.
+            block_bytes = kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
+            mem.figures["vllm_pages_held_bytes"] = math.ceil(mem.prompt_len / kv_cache.shape[2]) * block_bytes
+
+    def _release(self, req_id: str, outcome: str) -> None:
+        self.runtime.release(req_id, outcome=outcome)
+
+
+def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":
+    """The runner's bridge, made on first use; None when the runner's config has no `sekv`."""
+    bridge = getattr(runner, "_sekv_bridge", False)
+    if bridge is False:
+        config = SeKVConfig.from_additional_config(runner.vllm_config.additional_config)
+        bridge = RunnerBridge(runner, config) if config is not None else None
+        runner._sekv_bridge = bridge
+        if bridge is not None:
+            logger.info("sekv: active on this worker with %s", config.model_dump())
+    return bridge
+
+
+def request_figures() -> list[dict]:
+    """Figures of every compressed request this process has seen (in-process engines only)."""
+    bridge = current_bridge()
+    if bridge is None:
+        return []
+    live = [bridge.runtime.figures(r) for r in bridge.runtime.requests]
+    return bridge.runtime.completed_figures + [f for f in live if f]

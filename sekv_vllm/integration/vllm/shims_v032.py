@@ -1,0 +1,137 @@
+"""The places where sekv-vllm wraps vLLM 0.32 functions, kept together because they depend on
+its internals. Each wrap is installed once per process and is a pass-through unless the
+engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend sekv`).
+
+1. `EngineArgs.add_cli_args`: adds `--kv-cache-backend {vllm,sekv}` and `--sekv-config JSON`.
+2. `EngineArgs.from_cli_args`: turns those flags into `additional_config["sekv"]`.
+3. `EngineArgs.create_engine_config`: validates the sekv settings once, at start-up, and
+   applies what they imply (prefix caching off: compressed requests share no pages yet).
+4. `GPUModelRunner.execute_model` (the CPU runner inherits it): the runner bridge's step hooks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
+
+logger = logging.getLogger("sekv_vllm")
+
+KV_CACHE_BACKENDS = ("vllm", "sekv")
+_MARK = "_sekv_wrapped"
+
+
+def _wrap(owner: type, name: str, make) -> None:
+    """Replace owner.name by make(original function), keeping static/class method kinds."""
+    raw = owner.__dict__[name]
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    func = raw.__func__ if kind else raw
+    if getattr(func, _MARK, False):
+        return
+    wrapped = make(func)
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, kind(wrapped) if kind else wrapped)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--sekv-config is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--sekv-config must be a JSON object of sekv settings")
+    return value
+
+
+def apply_kv_cache_backend(additional_config: dict | None, backend: str, sekv_settings: dict | None) -> dict:
+    """additional_config with the `sekv` entry that `--kv-cache-backend`/`--sekv-config` ask for."""
+    config = dict(additional_config or {})
+    if backend not in KV_CACHE_BACKENDS:
+        raise SeKVConfigError(f"kv_cache_backend: {backend!r} is not one of {list(KV_CACHE_BACKENDS)}")
+    if backend == "sekv":
+        config[ADDITIONAL_CONFIG_KEY] = {**(config.get(ADDITIONAL_CONFIG_KEY) or {}), **(sekv_settings or {})}
+    elif sekv_settings:
+        raise SeKVConfigError("--sekv-config needs --kv-cache-backend sekv")
+    return config
+
+
+def _install_cli() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make_add_cli_args(original):
+        def add_cli_args(parser, *args, **kwargs):
+            parser = original(parser, *args, **kwargs)
+            group = parser.add_argument_group("sekv", "KV-cache compression (sekv-vllm plugin)")
+            group.add_argument(
+                "--kv-cache-backend", choices=KV_CACHE_BACKENDS, default="vllm",
+                help="sekv: compress long prompts' KV cache with SeKV; vllm: stock full KV.",
+            )
+            group.add_argument(
+                "--sekv-config", type=_json_object, default=None,
+                help='SeKV settings as JSON, e.g. \'{"budget_ratio": 0.25}\' (see sekv_vllm.config.SeKVConfig).',
+            )
+            return parser
+
+        return add_cli_args
+
+    def make_from_cli_args(original):
+        def from_cli_args(cls, args: argparse.Namespace):
+            engine_args = original(cls, args)
+            backend = getattr(args, "kv_cache_backend", "vllm")
+            engine_args.additional_config = apply_kv_cache_backend(
+                engine_args.additional_config, backend, getattr(args, "sekv_config", None)
+            )
+            return engine_args
+
+        return from_cli_args
+
+    def make_create_engine_config(original):
+        def create_engine_config(self, *args, **kwargs):
+            config = SeKVConfig.from_additional_config(self.additional_config)
+            if config is not None:
+                from vllm.platforms import current_platform
+
+                if not current_platform.is_cpu():
+                    raise SeKVConfigError(
+                        "kv_cache_backend: sekv runs on vLLM's CPU platform only so far; "
+                        "the GPU attention path is not written yet"
+                    )
+                if self.enable_prefix_caching is not False:
+                    logger.info("sekv: prefix caching switched off (compressed requests do not share pages)")
+                self.enable_prefix_caching = False
+                # Normalised and validated: every process reads the same full settings.
+                self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
+    _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
+    _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
+    _wrap(EngineArgs, "create_engine_config", make_create_engine_config)
+
+
+def _install_runner_hook() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from sekv_vllm.integration.vllm.runner_bridge import bridge_for
+
+    def make_execute_model(original):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            bridge = bridge_for(self)
+            if bridge is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            bridge.before_step(scheduler_output)
+            result = original(self, scheduler_output, *args, **kwargs)
+            bridge.after_step(scheduler_output)
+            return result
+
+        return execute_model
+
+    _wrap(GPUModelRunner, "execute_model", make_execute_model)
+
+
+def install() -> None:
+    _install_cli()
+    _install_runner_hook()

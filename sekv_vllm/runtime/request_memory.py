@@ -1,0 +1,235 @@
+"""Per-request SeKV state inside a serving engine, engine-agnostic (torch only).
+
+Life of a request: admitted (decides whether it will be compressed) -> surprisal recorded
+while its prompt is prefilled -> compressed once the prompt is complete (summaries kept,
+bases stored in the host pool) -> every decode step attends through `attend` -> released
+when it finishes, aborts or is preempted.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass, field
+import torch
+
+from sekv_vllm.config import RequestOverrides, SeKVConfig
+from sekv_vllm.core import LayerSpanMemory, SpanLayout, attend_memory, compress_layer, segment_prompt
+from sekv_vllm.policies import ZoomPolicy, make_policy
+from sekv_vllm.pool import HostPool
+from sekv_vllm.runtime.row_buffer import RowBuffer
+
+logger = logging.getLogger("sekv_vllm")
+
+
+class Status(enum.Enum):
+    PREFILLING = "prefilling"  # surprisal is being collected; compressed once the prompt is done
+    COMPRESSED = "compressed"
+    FULL_KV = "full_kv"  # kept at full KV; `reason` says why
+
+
+@dataclass
+class RequestMemory:
+    req_id: str
+    prompt_len: int
+    budget: int
+    status: Status
+    reason: str = ""
+    surprisal: torch.Tensor | None = None  # [T] float32, s_0 = 0
+    layout: SpanLayout | None = None
+    zoom_budget: int = 0
+    layers: dict[str, LayerSpanMemory] = field(default_factory=dict)
+    # PREFILLING: every computed row by position; COMPRESSED: full-resolution rows only
+    # (anchors and short runs, then window and generated tokens, in position order).
+    rows: dict[str, RowBuffer] = field(default_factory=dict)
+    decode_calls: int = 0
+    zoomed_spans_total: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    figures: dict = field(default_factory=dict)
+
+
+class SeKVRuntime:
+    """All compressed requests of one worker.
+
+    Bytes are counted in the KV cache dtype: a row is K and V of every KV head of one layer.
+    """
+
+    def __init__(self, config: SeKVConfig, layer_names: list[str]) -> None:
+        self.config = config
+        self.layer_names = layer_names
+        self.policy: ZoomPolicy = make_policy(config.zoom_policy)
+        self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
+        self.requests: dict[str, RequestMemory] = {}
+        self.completed_figures: list[dict] = []
+
+    # -- admission ---------------------------------------------------------------------
+    def admit(self, req_id: str, prompt_len: int, extra_args: dict | None) -> RequestMemory:
+        """Decide once per request whether its prompt will be compressed.
+
+        extra_args were validated at the front end; a bad value here still must not fail
+        the request, so it is kept at full KV and the reason logged.
+        """
+        try:
+            overrides = RequestOverrides.from_extra_args(extra_args)
+        except ValueError as err:
+            overrides, reason = None, f"bad per-request settings: {err}"
+        budget = self.config.budget_for(prompt_len, overrides) if overrides else prompt_len
+        if overrides is None:
+            pass
+        elif not overrides.sekv_compress:
+            reason = "compression switched off by the request"
+        elif prompt_len < self.config.min_prompt_tokens:
+            reason = f"prompt ({prompt_len}) shorter than min_prompt_tokens ({self.config.min_prompt_tokens})"
+        elif prompt_len <= self.config.window:
+            reason = f"prompt ({prompt_len}) fits in the window ({self.config.window})"
+        else:
+            reason = ""
+        mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason)
+        if not reason:
+            mem.surprisal = torch.zeros(prompt_len, dtype=torch.float32)
+        self.requests[req_id] = mem
+        return mem
+
+    def get(self, req_id: str) -> RequestMemory | None:
+        return self.requests.get(req_id)
+
+    def is_compressed(self, req_id: str) -> bool:
+        mem = self.requests.get(req_id)
+        return mem is not None and mem.status is Status.COMPRESSED
+
+    # -- prefill -----------------------------------------------------------------------
+    def record_surprisal(self, req_id: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """positions: [n] int64 prompt positions (>= 1); values: [n] float surprisal there."""
+        self.requests[req_id].surprisal[positions] = values.float()
+
+    def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n)."""
+        mem = self.requests[req_id]
+        buf = mem.rows.get(layer_name)
+        if buf is None:
+            buf = mem.rows[layer_name] = RowBuffer(mem.prompt_len, k.shape[1], k.shape[2], k.dtype)
+        if mem.status is Status.PREFILLING:
+            buf.write(start, k, v)
+        else:  # decode rows join the window
+            buf.append(k, v)
+
+    def compress(self, req_id: str) -> RequestMemory:
+        """Segment the prompt and compress every layer from its captured rows."""
+        mem = self.requests[req_id]
+        cfg = self.config
+        if set(mem.rows) != set(self.layer_names):
+            return self._keep_full(mem, "prompt rows were not captured in every layer")
+        layout = segment_prompt(
+            mem.surprisal, window=cfg.window, alpha=cfg.alpha, l_min=cfg.l_min,
+            max_span=cfg.max_span, budget=int(mem.budget * (1 - cfg.zoom_share)),
+        )
+        if layout.num_spans == 0:
+            return self._keep_full(mem, "no span of at least l_min tokens outside the window")
+        T = mem.prompt_len
+        for name in self.layer_names:
+            k, v = mem.rows[name].view()
+            layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max)
+            if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
+                self.pool.release(req_id)
+                logger.warning(
+                    "sekv: host pool full (%d of %d bytes used): request %s keeps full KV",
+                    self.pool.used_bytes, self.pool.capacity_bytes, req_id,
+                )
+                return self._keep_full(mem, "host pool full")
+            mem.layers[name] = layer
+        # Keep only the full-resolution rows; rows past the prompt (a resumed request's
+        # earlier output) stay as window rows.
+        keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.rows[self.layer_names[0]].length)])
+        for name in self.layer_names:
+            k, v = mem.rows[name].view()
+            full = RowBuffer(keep.numel() + cfg.window, k.shape[1], k.shape[2], k.dtype)
+            full.append(k[keep], v[keep])
+            mem.rows[name] = full
+        mem.layout = layout
+        mem.zoom_budget = max(mem.budget - layout.base_rows, 0)
+        mem.status = Status.COMPRESSED
+        L = len(self.layer_names)
+        k0 = mem.rows[self.layer_names[0]].k
+        row_bytes = 2 * k0[0].numel() * k0.element_size()
+        summary_bytes = sum(layer.summary_nbytes for layer in mem.layers.values())
+        mem.figures = {
+            "req_id": req_id,
+            "prompt_tokens": mem.prompt_len,
+            "budget_rows": mem.budget,
+            "spans": layout.num_spans,
+            "span_tokens": layout.span_tokens,
+            "anchor_and_short_tokens": int(layout.fixed_pos.numel()),
+            "window_tokens": mem.prompt_len - layout.window_start,
+            "base_rows": layout.base_rows,
+            "zoom_budget_rows": mem.zoom_budget,
+            "budget_exceeded_by_base": max(layout.base_rows - mem.budget, 0),
+            "full_kv_bytes": mem.prompt_len * row_bytes * L,
+            # what the method needs in the fast tier: fixed rows + summaries + zoom scratch
+            "fast_tier_bytes": (layout.num_fixed * row_bytes * L + summary_bytes
+                                + mem.zoom_budget * row_bytes * L),
+            "host_pool_bytes": self.pool.owner_bytes(req_id),
+        }
+        mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
+        if layout.base_rows > mem.budget:
+            logger.warning(
+                "sekv: request %s: anchors + window + summaries need %d rows, budget is %d; "
+                "serving it at the smallest layout", req_id, layout.base_rows, mem.budget,
+            )
+        logger.info(
+            "sekv: compressed %s: %d prompt tokens -> %d spans (%d tokens), %d anchor/short, "
+            "%d window; fast tier %.1f%% of full KV; host pool %d bytes",
+            req_id, mem.prompt_len, layout.num_spans, layout.span_tokens,
+            layout.fixed_pos.numel(), mem.figures["window_tokens"],
+            100 * mem.figures["fast_tier_fraction"], mem.figures["host_pool_bytes"],
+        )
+        return mem
+
+    def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
+        mem.status, mem.reason, mem.layers, mem.rows = Status.FULL_KV, reason, {}, {}
+        logger.info("sekv: request %s keeps full KV: %s", mem.req_id, reason)
+        return mem
+
+    # -- decode ------------------------------------------------------------------------
+    def attend(self, req_id: str, layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [H, D] post-RoPE query of the newest token (already captured); returns [H, D] float32."""
+        mem = self.requests[req_id]
+        layer = mem.layers[layer_name]
+        full_k, full_v = mem.rows[layer_name].view()
+        zoom = self.policy.select(q, layer.summary_k, layer.span_len, mem.zoom_budget, scale)
+        mem.decode_calls += 1
+        mem.zoomed_spans_total += zoom.any(dim=0).sum()
+        return attend_memory(q, full_k, full_v, layer, zoom, scale)
+
+    def is_active(self, req_id: str) -> bool:
+        """Whether the request's rows must be captured (prefilling or compressed)."""
+        mem = self.requests.get(req_id)
+        return mem is not None and mem.status is not Status.FULL_KV
+
+    # -- end ---------------------------------------------------------------------------
+    def figures(self, req_id: str) -> dict:
+        """Figures of a compressed request so far (empty if it is not compressed)."""
+        mem = self.requests[req_id]
+        if not mem.figures:
+            return {}
+        return dict(
+            mem.figures,
+            decode_steps=mem.decode_calls // max(len(self.layer_names), 1),
+            mean_zoomed_spans=float(mem.zoomed_spans_total) / max(mem.decode_calls, 1),
+        )
+
+    def release(self, req_id: str, *, outcome: str) -> dict | None:
+        """Free both tiers of a request; returns its figures if it was compressed."""
+        figures = self.figures(req_id) if req_id in self.requests else {}
+        self.requests.pop(req_id, None)
+        self.pool.release(req_id)
+        if not figures:
+            return None
+        figures["outcome"] = outcome
+        logger.info(
+            "sekv: %s %s after %d decode steps; mean zoomed spans per layer-step %.1f of %d",
+            req_id, outcome, figures["decode_steps"], figures["mean_zoomed_spans"], figures["spans"],
+        )
+        self.completed_figures.append(figures)
+        if self.config.stats_path:
+            with open(self.config.stats_path, "a") as f:
+                f.write(json.dumps(figures) + "\n")
+        return figures

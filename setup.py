@@ -1,0 +1,11 @@
+"""Packages and the one folder mapping pyproject.toml cannot express.
+
+`triton_kernels/` installs as `sekv_vllm.triton_kernels`: vLLM imports Triton's own
+top-level `triton_kernels` package, which a top-level folder of ours would shadow.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"]) + ["sekv_vllm.triton_kernels"],
+    package_dir={"sekv_vllm.triton_kernels": "triton_kernels"},
+)

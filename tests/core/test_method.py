@@ -1,0 +1,168 @@
+"""The method against exact attention, in plain torch."""
+import math
+
+import pytest
+import torch
+
+from sekv_vllm.core import (
+    attend_memory,
+    compress_layer,
+    exact_attention,
+    fit_span_bases,
+    rebuild_spans,
+    segment_prompt,
+    summarize_spans,
+)
+from sekv_vllm.policies import POLICIES, budgeted_zoom, make_policy
+
+H, HKV, D = 9, 3, 64
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def make_prompt(T: int, seed: int = 0, rank: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    if rank is None:
+        k = torch.randn(T, HKV, D, generator=g)
+        v = torch.randn(T, HKV, D, generator=g)
+    else:  # locally low-rank keys/values, like real spans
+        k = torch.randn(T, HKV, rank, generator=g) @ torch.randn(rank, D, generator=g) / math.sqrt(rank)
+        v = torch.randn(T, HKV, rank, generator=g) @ torch.randn(rank, D, generator=g) / math.sqrt(rank)
+    s = torch.rand(T, generator=g) * 4
+    s[torch.rand(T, generator=g) < 0.1] += 6  # some surprising tokens
+    s[0] = 0
+    q = torch.randn(H, D, generator=g)
+    return q, k, v, s
+
+
+def full_rows(layout, k, v):
+    pos = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, layout.prompt_len)])
+    return k[pos], v[pos]
+
+
+def mixed(q, k, v, s, *, zoom_all: bool, r_max: int, max_span=64, window=16, budget=None):
+    layout = segment_prompt(s, window=window, alpha=1.0, l_min=4, max_span=max_span, budget=budget)
+    mem = compress_layer(k, v, layout, s, r_max)
+    fk, fv = full_rows(layout, k, v)
+    zoom = torch.full((H, layout.num_spans), zoom_all, dtype=torch.bool)
+    return attend_memory(q, fk, fv, mem, zoom, 1 / math.sqrt(D)), layout
+
+
+@pytest.mark.parametrize("T", [1, 5, 17, 63, 300, 1000])
+def test_every_span_zoomed_at_full_rank_equals_exact(T):
+    q, k, v, s = make_prompt(T, seed=T)
+    out, layout = mixed(q, k, v, s, zoom_all=True, r_max=D, window=min(16, max(T - 1, 1)))
+    ref = exact_attention(q, k, v, 1 / math.sqrt(D))
+    assert rel_err(out, ref) < 1e-5
+    # every prompt position is accounted for exactly once
+    covered = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, T)]
+                        + [torch.arange(a, a + n) for a, n in zip(layout.span_start.tolist(), layout.span_len.tolist())])
+    assert sorted(covered.tolist()) == list(range(T))
+
+
+def test_error_falls_as_rank_rises():
+    q, k, v, s = make_prompt(800, seed=1, rank=24)
+    ref = exact_attention(q, k, v, 1 / math.sqrt(D))
+    errs = [rel_err(mixed(q, k, v, s, zoom_all=True, r_max=r)[0], ref) for r in (1, 4, 8, 16, 24)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < 1e-4  # rank 24 captures rank-24 data
+
+
+def test_summaries_only_is_an_approximation_zoom_improves_it():
+    q, k, v, s = make_prompt(800, seed=2, rank=8)
+    ref = exact_attention(q, k, v, 1 / math.sqrt(D))
+    e_summary = rel_err(mixed(q, k, v, s, zoom_all=False, r_max=8)[0], ref)
+    e_zoom = rel_err(mixed(q, k, v, s, zoom_all=True, r_max=8)[0], ref)
+    assert e_zoom < 1e-4 < e_summary
+
+
+def test_rebuild_is_lossless_at_full_rank_and_rows_keep_span_order():
+    _, k, _, s = make_prompt(300, seed=3)
+    layout = segment_prompt(s, window=10, alpha=1.0, l_min=4, max_span=64)
+    bases = fit_span_bases(k, layout.span_start, layout.span_len, r_max=D)
+    ids = torch.tensor([layout.num_spans - 1, 0])
+    rows, row_span = rebuild_spans(bases, ids)
+    want = torch.cat([k[layout.span_start[i]: layout.span_start[i] + layout.span_len[i]] for i in ids])
+    assert torch.allclose(rows, want, atol=1e-4)
+    assert row_span.tolist() == sum(([int(i)] * int(layout.span_len[i]) for i in ids), [])
+
+
+def test_summary_is_surprisal_weighted_mean_and_uniform_when_weights_vanish():
+    x = torch.arange(12, dtype=torch.float32).view(6, 1, 2)
+    w = torch.tensor([0, 1, 3, 0, 0, 0.0])
+    out = summarize_spans(x, w, torch.tensor([0, 3]), torch.tensor([3, 3]))
+    assert torch.allclose(out[0, 0], (x[1, 0] * 1 + x[2, 0] * 3) / 4)
+    assert torch.allclose(out[1, 0], x[3:6, 0].mean(0))
+
+
+def test_segmentation_invariants():
+    _, _, _, s = make_prompt(2000, seed=4)
+    layout = segment_prompt(s, window=100, alpha=1.0, l_min=4, max_span=64)
+    assert layout.window_start == 1900
+    assert 0 in layout.fixed_pos.tolist()  # the attention sink
+    assert (layout.span_len >= 4).all() and (layout.span_len <= 64).all()
+    assert (layout.span_start[1:] > layout.span_start[:-1]).all()
+    theta = float(s.double().mean() + s.double().std(correction=0))
+    anchors = set(torch.nonzero(s[:1900] > theta).flatten().tolist())
+    assert anchors <= set(layout.fixed_pos.tolist())  # anchors never inside spans
+    for a, n in zip(layout.span_start.tolist(), layout.span_len.tolist()):
+        assert not anchors & set(range(a, a + n))
+
+
+@pytest.mark.parametrize("case", ["one_token", "shorter_than_window", "one_huge_span", "all_anchor"])
+def test_odd_prompts(case):
+    T = {"one_token": 1, "shorter_than_window": 10, "one_huge_span": 1000, "all_anchor": 200}[case]
+    q, k, v, _ = make_prompt(T, seed=5)
+    s = torch.zeros(T) if case == "one_huge_span" else torch.rand(T)
+    if case == "all_anchor":
+        s = torch.arange(T, dtype=torch.float32) % 2 * 10  # every other token surprising: runs of 1
+    layout = segment_prompt(s, window=16, alpha=1.0 if case != "all_anchor" else -3.0, l_min=4, max_span=64)
+    if case == "one_huge_span":
+        assert layout.fixed_pos.tolist() == [0] and layout.num_spans == math.ceil(983 / 64)
+    if case == "all_anchor":
+        assert layout.num_spans == 0
+    mem = compress_layer(k, v, layout, s, r_max=D)
+    fk, fv = full_rows(layout, k, v)
+    out = attend_memory(q, fk, fv, mem, torch.ones(H, layout.num_spans, dtype=torch.bool), 1 / math.sqrt(D))
+    assert rel_err(out, exact_attention(q, k, v, 1 / math.sqrt(D))) < 1e-5
+
+
+@pytest.mark.parametrize("budget", [40, 100, 250, 600])
+def test_budget_is_never_exceeded(budget):
+    q, k, v, s = make_prompt(1500, seed=6)
+    layout = segment_prompt(s, window=32, alpha=1.0, l_min=4, max_span=64, budget=budget)
+    mem = compress_layer(k, v, layout, s, r_max=16)
+    if layout.base_rows > budget:
+        # only possible when even token 0 + window + minimal spans do not fit
+        assert layout.fixed_pos.tolist() == [0]
+        zoom_budget = 0
+    else:
+        zoom_budget = budget - layout.base_rows
+    for name in POLICIES:
+        zoom = make_policy(name).select(q, mem.summary_k, mem.span_len, zoom_budget, 1 / math.sqrt(D))
+        per_kv = zoom.view(HKV, H // HKV, -1)[:, 0]
+        extra = (per_kv.float() * (mem.span_len - 1).float()).sum(dim=1)
+        assert (extra <= zoom_budget).all()
+        assert (layout.base_rows + extra <= max(budget, layout.base_rows)).all()
+
+
+def test_tight_budget_demotes_low_surprisal_anchors_instead_of_failing():
+    _, _, _, s = make_prompt(3000, seed=7)
+    loose = segment_prompt(s, window=32, alpha=1.0, l_min=4, max_span=64)
+    tight = segment_prompt(s, window=32, alpha=1.0, l_min=4, max_span=64, budget=loose.base_rows // 3)
+    assert tight.base_rows <= loose.base_rows // 3 < loose.base_rows
+    in_spans = torch.cat([torch.arange(a, a + n) for a, n in zip(tight.span_start.tolist(), tight.span_len.tolist())])
+    demoted_max = s[in_spans].max()
+    # whatever is more surprising than the most surprising demoted token is still an anchor
+    more_surprising = torch.nonzero(s[: tight.window_start] > demoted_max).flatten()
+    assert set(more_surprising.tolist()) <= set(tight.fixed_pos.tolist())
+    assert demoted_max > float(s.double().mean() + s.double().std(correction=0))  # anchors were demoted
+
+
+def test_budgeted_zoom_takes_highest_scores_first():
+    score = torch.tensor([[0.1, 5.0, 1.0, 3.0]]).repeat(3, 1)
+    lens = torch.tensor([10, 10, 10, 10])
+    zoom = budgeted_zoom(score, lens, zoom_budget=20, num_kv_heads=1)
+    assert zoom[0].tolist() == [False, True, False, True]

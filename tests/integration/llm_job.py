@@ -1,0 +1,58 @@
+"""Runs one vLLM `LLM` in this process and prints a JSON result; tests call it in a subprocess
+so that stock vLLM (plugins off) and sekv each get a clean process.
+
+    python llm_job.py SPEC.json   ->  {"outputs": [...], "figures": [...], "errors": [...]}
+SPEC: {"plugins": bool, "additional_config": {...} | null, "max_model_len": int,
+       "requests": [{"prompt": str, "max_tokens": int, "extra_args": {...} | null}],
+       "bad_requests": [{"prompt": str, "extra_args": {...}}]}
+"""
+import json
+import os
+import sys
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    if not spec.get("plugins", True):
+        os.environ["VLLM_PLUGINS"] = "none-stock-vllm"  # an allow-list naming no installed plugin
+    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"additional_config": spec["additional_config"]} if spec.get("additional_config") else {}
+    llm = LLM(spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
+              enable_prefix_caching=False, **kwargs)
+    tok = llm.get_tokenizer()
+
+    def chat(text: str) -> str:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    errors = []
+    for bad in spec.get("bad_requests", []):
+        try:
+            llm.generate([chat(bad["prompt"])], SamplingParams(max_tokens=4, extra_args=bad["extra_args"]))
+            errors.append(None)
+        except Exception as err:  # vLLM raises VLLMValidationError
+            errors.append(f"{type(err).__name__}: {err}")
+    reqs = spec["requests"]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 24), extra_args=r.get("extra_args"))
+              for r in reqs]
+    outputs = llm.generate([chat(r["prompt"]) for r in reqs], params)
+    figures = []
+    if spec.get("plugins", True):
+        from sekv_vllm.integration.vllm.runner_bridge import request_figures
+
+        by_id = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+        figures = [by_id.get(o.request_id) for o in outputs]
+    result = {
+        "outputs": [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                     "prompt_tokens": len(o.prompt_token_ids)} for o in outputs],
+        "figures": figures,
+        "errors": errors,
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The OpenAI-compatible server started with `--kv-cache-backend sekv`."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from benchmarks.tasks.needle import make_sample
+
+pytestmark = pytest.mark.vllm
+
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def serve_cmd(model_dir: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "sekv_vllm.entrypoints.cli", "serve", model_dir, "--max-model-len", "4096",
+            "--enforce-eager", "--host", "127.0.0.1", *extra]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(serve_cmd(model_dir, "--port", str(port), "--kv-cache-backend", "sekv",
+                                      "--sekv-config", '{"budget_ratio": 0.3}'),
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            time.sleep(2)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy in 300 s")
+    yield base, log_path
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def chat(base: str, model_dir: str, text: str, **extra) -> tuple[int, dict]:
+    body = {"model": model_dir, "messages": [{"role": "user", "content": text}], "max_tokens": 24,
+            "temperature": 0, **extra}
+    return post(base + "/v1/chat/completions", body)
+
+
+def test_chat_completion_with_a_compressed_prompt(server, model_dir, count_tokens):
+    base, log_path = server
+    sample = make_sample("needle", 1500, 0.5, 3, count_tokens)
+    status, body = chat(base, model_dir, sample.prompt)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"].strip(), body
+    deadline = time.time() + 10
+    while "sekv: compressed" not in log_path.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    assert "sekv: compressed" in log_path.read_text()
+
+
+def test_bad_request_setting_is_http_400_and_others_are_unaffected(server, model_dir):
+    base, _ = server
+    status, body = chat(base, model_dir, "Hello!", vllm_xargs={"sekv_budget_ratio": -1})
+    assert status == 400, body
+    assert "sekv_budget_ratio" in json.dumps(body)
+    status, body = chat(base, model_dir, "Hello!", vllm_xargs={"sekv_compres": 0})
+    assert status == 400 and "sekv_compress" in json.dumps(body), body
+    status, body = chat(base, model_dir, "What is the capital of France?", vllm_xargs={"sekv_compress": 0})
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
+
+
+def test_bad_config_is_refused_at_start_up(model_dir):
+    proc = subprocess.run(serve_cmd(model_dir, "--port", str(free_port()), "--kv-cache-backend", "sekv",
+                                    "--sekv-config", '{"budget_ratio": 2, "window": 0}'),
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **SERVER_ENV})
+    assert proc.returncode != 0
+    assert "sekv.budget_ratio: Input should be less than or equal to 1 (got 2)" in proc.stderr
+    assert "sekv.window: Input should be greater than or equal to 1 (got 0)" in proc.stderr

@@ -1,0 +1,41 @@
+"""Configuration is validated once at the edge, with errors that name the field."""
+import pytest
+
+from sekv_vllm.config import RequestOverrides, SeKVConfig, SeKVConfigError
+
+
+def test_defaults_validate():
+    cfg = SeKVConfig.from_additional_config({"sekv": {}})
+    assert cfg.budget_ratio == 0.25 and cfg.max_span >= 2 * cfg.l_min
+    assert SeKVConfig.from_additional_config({"other": 1}) is None
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"budget_ratio": 0}, "sekv.budget_ratio: Input should be greater than 0"),
+        ({"r_max": "many"}, "sekv.r_max: Input should be a valid integer"),
+        ({"budget": 10}, "sekv.budget: Extra inputs are not permitted"),
+        ({"l_min": 40, "max_span": 64}, "max_span (64) must be at least 2 * l_min (80)"),
+        ({"zoom_policy": "magic"}, "sekv.zoom_policy: Input should be 'span_score'"),
+    ],
+)
+def test_bad_values_name_the_field(raw, message):
+    with pytest.raises(SeKVConfigError) as err:
+        SeKVConfig.from_additional_config({"sekv": raw})
+    assert message in str(err.value)
+
+
+def test_budget_resolution_order():
+    cfg = SeKVConfig(budget_ratio=0.25)
+    assert cfg.budget_for(1000, RequestOverrides()) == 250
+    assert cfg.budget_for(1000, RequestOverrides(sekv_budget_ratio=0.5)) == 500
+    assert cfg.budget_for(1000, RequestOverrides(sekv_token_budget=77)) == 77
+    assert SeKVConfig(token_budget=300).budget_for(1000, RequestOverrides()) == 300
+
+
+def test_request_overrides_ignore_other_keys_and_refuse_unknown_sekv_keys():
+    assert RequestOverrides.from_extra_args({"session_id": "x"}) == RequestOverrides()
+    assert RequestOverrides.from_extra_args({"sekv_compress": 0}).sekv_compress is False
+    with pytest.raises(SeKVConfigError, match=r"unknown per-request field\(s\) \['sekv_ratio'\]; allowed: "):
+        RequestOverrides.from_extra_args({"sekv_ratio": 0.5})

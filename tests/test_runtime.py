@@ -1,0 +1,75 @@
+"""The engine-agnostic runtime: admission, capture, compression, pool exhaustion, release."""
+import math
+
+import torch
+
+from sekv_vllm.config import SeKVConfig
+from sekv_vllm.core import exact_attention
+from sekv_vllm.pool import HostPool
+from sekv_vllm.runtime import SeKVRuntime, Status
+
+H, HKV, D = 9, 3, 64
+LAYERS = ["l0", "l1"]
+
+
+def prefill(rt: SeKVRuntime, req_id: str, T: int, seed: int = 0, chunk: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    kv = {name: (torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)) for name in LAYERS}
+    rt.record_surprisal(req_id, torch.arange(1, T), torch.rand(T - 1, generator=g) * 5)
+    for start in range(0, T, chunk):  # chunked prefill
+        for name in LAYERS:
+            k, v = kv[name]
+            rt.capture(req_id, name, start, k[start : start + chunk], v[start : start + chunk])
+    return kv
+
+
+def test_admission_rules():
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=100), LAYERS)
+    assert rt.admit("short", 50, None).status is Status.FULL_KV
+    assert rt.admit("off", 500, {"sekv_compress": False}).status is Status.FULL_KV
+    assert rt.admit("bad", 500, {"sekv_budget_ratio": 9}).reason.startswith("bad per-request settings")
+    assert rt.admit("ok", 500, None).status is Status.PREFILLING
+    assert [r for r in rt.requests if rt.is_active(r)] == ["ok"]
+
+
+def test_compress_then_attend_matches_exact_attention_at_full_budget_and_rank():
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, budget_ratio=1.0, r_max=64, max_span=64, window=16), LAYERS)
+    rt.admit("r", 1000, None)
+    kv = prefill(rt, "r", 1000)
+    assert rt.compress("r").status is Status.COMPRESSED
+    g = torch.Generator().manual_seed(1)
+    k_new, v_new, q = torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(H, D, generator=g)
+    rt.capture("r", "l1", 1000, k_new, v_new)  # the decode token joins the window
+    out = rt.attend("r", "l1", q, 1 / math.sqrt(D))
+    k, v = kv["l1"]
+    ref = exact_attention(q, torch.cat([k, k_new]), torch.cat([v, v_new]), 1 / math.sqrt(D))
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
+    fig = rt.figures("r")
+    assert fig["decode_steps"] == 0 and fig["spans"] > 0 and fig["host_pool_bytes"] == rt.pool.used_bytes
+
+
+def test_full_pool_degrades_to_full_kv_without_error():
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, host_pool_bytes=10_000), LAYERS)
+    rt.admit("r", 1000, None)
+    prefill(rt, "r", 1000)
+    mem = rt.compress("r")
+    assert mem.status is Status.FULL_KV and mem.reason == "host pool full"
+    assert rt.pool.used_bytes == 0 and not mem.rows  # nothing half-stored
+
+
+def test_release_frees_both_tiers_after_many_requests():
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10), LAYERS)
+    for i in range(20):
+        rt.admit(f"r{i}", 600, None)
+        prefill(rt, f"r{i}", 600, seed=i)
+        rt.compress(f"r{i}")
+        assert rt.release(f"r{i}", outcome="finished")["outcome"] == "finished"
+    assert rt.pool.used_bytes == 0 and not rt.requests and rt.pool.owners() == []
+
+
+def test_host_pool_accounting():
+    pool = HostPool(100)
+    assert pool.store("a", "x", object(), 60)
+    assert not pool.store("b", "x", object(), 50)  # refuses instead of exceeding
+    assert pool.store("a", "x", object(), 40)  # replacing frees the old entry first
+    assert pool.used_bytes == 40 and pool.release("a") == 40 and pool.used_bytes == 0

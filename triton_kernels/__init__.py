@@ -1,0 +1,1 @@
+"""Triton kernels of sekv-vllm, installed as `sekv_vllm.triton_kernels`."""
