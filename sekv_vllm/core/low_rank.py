@@ -1,8 +1,11 @@
 """Per-span, per-KV-head rank-r SVD bases and the rebuild of token rows from them.
 
-A span's rows X [|S|, D] (one KV head) are stored as coefficients C = U_r diag(s_r)
+A span's rows X [|S|, D] (one KV head) are stored as coefficients C = U_r diag(s_r) = X V_r
 [|S|, r] and a basis B = V_r^T [r, D], with r = min(|S|, D, r_max); X_hat = C B.
-Exact truncated SVD is used (the reference code's randomized SVD only approximates it).
+V_r (the top right singular vectors) comes from the symmetric eigendecomposition of the
+Gram matrix X^T X: the same subspace as a truncated SVD at half its cost on CPU, and since
+C = X V_r with V_r orthonormal, r = rank(X) rebuilds X exactly. (The reference code's
+randomized SVD only approximates the subspace.)
 Coefficients are stored per token, spans back to back, so no padding is kept.
 """
 from __future__ import annotations
@@ -49,12 +52,13 @@ def fit_span_bases(
     index, valid = span_token_index(span_start, span_len)
     L = index.shape[1]
     R = min(L, D, r_max)
-    # Padded rows are zero: they change neither singular values nor right singular vectors.
+    # Padded rows are zero: they change neither the Gram matrix nor the singular subspace.
     xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3)  # [S, Hkv, L, D]
-    u, sv, vh = torch.linalg.svd(xs, full_matrices=False)
-    coef = (u[..., :R] * sv[..., None, :R]).permute(0, 2, 1, 3)  # [S, L, Hkv, R]
-    coef = coef[valid]  # [P, Hkv, R]
-    return SpanBases(coef.to(x.dtype).contiguous(), vh[..., :R, :].to(x.dtype).contiguous(), row_offset, span_len)
+    _, eigvec = torch.linalg.eigh(xs.mT @ xs)  # ascending eigenvalues: the top R are last
+    v_r = eigvec[..., -R:].flip(-1)  # [S, Hkv, D, R]
+    coef = (xs @ v_r).permute(0, 2, 1, 3)[valid]  # [P, Hkv, R]
+    basis = v_r.mT  # [S, Hkv, R, D]
+    return SpanBases(coef.to(x.dtype).contiguous(), basis.to(x.dtype).contiguous(), row_offset, span_len)
 
 
 def rebuild_spans(bases: SpanBases, span_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,11 +67,21 @@ def rebuild_spans(bases: SpanBases, span_ids: torch.Tensor) -> tuple[torch.Tenso
     span_ids: [Z] int64 spans to rebuild
     returns (rows [M, Hkv, D] float32, row_span [M] int64 span id of each row), M = sum of lengths
     """
-    Hkv, D = bases.basis.shape[1], bases.basis.shape[3]
+    (rows,), row_span = rebuild_spans_of(span_ids, bases)
+    return rows, row_span
+
+
+def rebuild_spans_of(span_ids: torch.Tensor, *bases: SpanBases) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`rebuild_spans` for several factorisations of the same spans (keys and values),
+    sharing the row index. Returns ([rows [M, Hkv, D] float32 per bases], row_span [M])."""
+    first = bases[0]
+    Hkv, D = first.basis.shape[1], first.basis.shape[3]
     if span_ids.numel() == 0:
-        return bases.basis.new_zeros(0, Hkv, D, dtype=torch.float32), span_ids.new_zeros(0)
-    index, valid = span_token_index(bases.row_offset[span_ids], bases.span_len[span_ids])
-    coef = bases.coef.float()[index]  # [Z, L, Hkv, R]
-    rows = torch.einsum("zlhr,zhrd->zlhd", coef, bases.basis.float()[span_ids])
-    row_span = span_ids[:, None].expand_as(index)
-    return rows[valid], row_span[valid]
+        return [first.basis.new_zeros(0, Hkv, D, dtype=torch.float32) for _ in bases], span_ids.new_zeros(0)
+    index, valid = span_token_index(first.row_offset[span_ids], first.span_len[span_ids])  # [Z, L]
+    out = []
+    for b in bases:
+        coef = b.coef.float()[index].permute(0, 2, 1, 3)  # [Z, Hkv, L, R]
+        rows = torch.matmul(coef, b.basis.float()[span_ids])  # [Z, Hkv, L, D]
+        out.append(rows.permute(0, 2, 1, 3)[valid])
+    return out, span_ids[:, None].expand_as(index)[valid]

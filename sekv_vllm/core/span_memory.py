@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans_of
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
 from sekv_vllm.core.span_summary import summarize_spans
@@ -58,8 +58,7 @@ def attend_memory(
     q: [H, D]; full_k, full_v: [N, Hkv, D]; zoom: [H, S] bool; returns [H, D] float32
     """
     span_ids = torch.nonzero(zoom.any(dim=0)).flatten()
-    zoom_k, zoom_span = rebuild_spans(memory.bases_k, span_ids)
-    zoom_v, _ = rebuild_spans(memory.bases_v, span_ids)
+    (zoom_k, zoom_v), zoom_span = rebuild_spans_of(span_ids, memory.bases_k, memory.bases_v)
     return mixed_attention(
         q, full_k, full_v, memory.summary_k, memory.summary_v, memory.span_len,
         zoom, zoom_k, zoom_v, zoom_span, scale,

@@ -22,6 +22,6 @@ class SpanScorePolicy(ZoomPolicy):
         H, D = q.shape
         S, Hkv, _ = summary_k.shape
         qg = q.float().view(Hkv, H // Hkv, D)
-        score = torch.einsum("kgd,skd->kgs", qg, summary_k.float()).reshape(H, S) * scale
+        score = torch.matmul(qg, summary_k.float().permute(1, 2, 0)).reshape(H, S) * scale
         score = score + torch.log(span_len.float())
         return budgeted_zoom(score, span_len, zoom_budget, Hkv)

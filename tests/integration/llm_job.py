@@ -39,10 +39,11 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 24), extra_args=r.get("extra_args"))
               for r in reqs]
     outputs = llm.generate([chat(r["prompt"]) for r in reqs], params)
-    figures = []
+    figures, mixed_steps = [], None
     if spec.get("plugins", True):
-        from sekv_vllm.integration.vllm.runner_bridge import request_figures
+        from sekv_vllm.integration.vllm.runner_bridge import current_bridge, request_figures
 
+        mixed_steps = current_bridge().steps_mixing_prefill_and_compressed_decode if current_bridge() else None
         by_id = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
         figures = [by_id.get(o.request_id) for o in outputs]
     result = {
@@ -50,6 +51,7 @@ def main() -> None:
                      "prompt_tokens": len(o.prompt_token_ids)} for o in outputs],
         "figures": figures,
         "errors": errors,
+        "steps_mixing_prefill_and_compressed_decode": mixed_steps,
     }
     print("RESULT " + json.dumps(result))
 

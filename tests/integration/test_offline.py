@@ -80,6 +80,7 @@ def test_mixed_batch_completes_with_per_request_settings(compressed_run):
     assert score(needles[0].answer, outs[4]["text"]) == 1.0
     assert figs[5]["budget_rows"] == -(-figs[5]["prompt_tokens"] // 2)  # sekv_budget_ratio 0.5
     assert figs[6] is not None and figs[6]["spans"] > 0
+    assert result["steps_mixing_prefill_and_compressed_decode"] > 0  # continuous batching really mixed them
 
 
 def test_bad_per_request_setting_is_refused_naming_the_field(compressed_run):

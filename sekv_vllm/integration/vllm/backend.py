@@ -80,6 +80,8 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
                 exact_reqs.append(i)
         if not captures:
             return meta
+        if attend_rows and any(qsl[i + 1] - qsl[i] > 1 for i in exact_reqs):
+            bridge.steps_mixing_prefill_and_compressed_decode += 1
         if not attend_rows:
             exact_rows, exact = None, meta
         elif exact_reqs:

@@ -41,6 +41,8 @@ class RunnerBridge:
             name: layer for name, layer in forward_context.items() if hasattr(layer, "impl") and hasattr(layer, "kv_cache")
         }
         self.runtime = SeKVRuntime(config, list(self.layers))
+        # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
+        self.steps_mixing_prefill_and_compressed_decode = 0
 
     # -- step hooks ----------------------------------------------------------------------
     def before_step(self, scheduler_output: "SchedulerOutput") -> None:

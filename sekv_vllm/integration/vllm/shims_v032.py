@@ -52,7 +52,7 @@ def apply_kv_cache_backend(additional_config: dict | None, backend: str, sekv_se
         raise SeKVConfigError(f"kv_cache_backend: {backend!r} is not one of {list(KV_CACHE_BACKENDS)}")
     if backend == "sekv":
         config[ADDITIONAL_CONFIG_KEY] = {**(config.get(ADDITIONAL_CONFIG_KEY) or {}), **(sekv_settings or {})}
-    elif sekv_settings:
+    elif sekv_settings is not None:
         raise SeKVConfigError("--sekv-config needs --kv-cache-backend sekv")
     return config
 

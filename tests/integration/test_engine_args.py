@@ -1,0 +1,44 @@
+"""The plugin's flags and start-up validation on vLLM's EngineArgs (no engine is built)."""
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine_args_cls():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return AsyncEngineArgs
+
+
+def parse(engine_args_cls, argv):
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = engine_args_cls.add_cli_args(FlexibleArgumentParser())
+    return engine_args_cls.from_cli_args(parser.parse_args(argv))
+
+
+def test_kv_cache_backend_flag_becomes_additional_config(engine_args_cls, model_dir):
+    args = parse(engine_args_cls, ["--model", model_dir, "--kv-cache-backend", "sekv",
+                                   "--sekv-config", '{"budget_ratio": 0.125}'])
+    assert args.additional_config == {"sekv": {"budget_ratio": 0.125}}
+    assert parse(engine_args_cls, ["--model", model_dir]).additional_config == {}
+
+
+def test_sekv_config_without_the_backend_is_refused(engine_args_cls, model_dir):
+    with pytest.raises(ValueError, match="--sekv-config needs --kv-cache-backend sekv"):
+        parse(engine_args_cls, ["--model", model_dir, "--sekv-config", "{}"])
+
+
+def test_create_engine_config_validates_and_turns_prefix_caching_off(engine_args_cls, model_dir):
+    from sekv_vllm.config import SeKVConfigError
+
+    bad = engine_args_cls(model=model_dir, additional_config={"sekv": {"r_max": 0}})
+    with pytest.raises(SeKVConfigError, match=r"sekv\.r_max: Input should be greater than or equal to 1 \(got 0\)"):
+        bad.create_engine_config()
+    good = engine_args_cls(model=model_dir, dtype="float32", additional_config={"sekv": {}})
+    config = good.create_engine_config()
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.additional_config["sekv"]["budget_ratio"] == 0.25  # normalised: every process sees all fields
