@@ -11,7 +11,7 @@ import json
 import sys
 
 from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
-from benchmarks.tasks.needle import make_sample, score
+from benchmarks.tasks.ruler import make_sample, score
 
 
 def worker(spec: dict) -> dict:
@@ -30,8 +30,8 @@ def worker(spec: dict) -> dict:
 
         figures = next(iter(request_figures()), None)
     out = outputs[0]
-    return {"prompt_tokens": len(out.prompt_token_ids), "needle": sample.answer, "answer": out.outputs[0].text,
-            "found": bool(score(sample.answer, out.outputs[0].text)), "seconds": round(seconds, 1), "sekv": figures}
+    return {"prompt_tokens": len(out.prompt_token_ids), "needle": sample.answers[0], "answer": out.outputs[0].text,
+            "found": score(sample.answers, out.outputs[0].text) == 1.0, "seconds": round(seconds, 1), "sekv": figures}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,9 @@ class SeKVConfig(BaseModel):
     )
     alpha: float = Field(1.0, ge=-3.0, le=10.0, description="anchor threshold: mean + alpha * std of surprisal")
     l_min: int = Field(4, ge=1, le=64, description="runs shorter than this stay at full resolution")
-    max_span: int = Field(64, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
+    # At max_span <= r_max every span rebuilds exactly; a longer max_span or a smaller r_max
+    # trades accuracy for a smaller host pool.
+    max_span: int = Field(32, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
     r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
     zoom_policy: Literal["span_score"] = "span_score"
     host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")

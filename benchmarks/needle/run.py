@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
-from benchmarks.tasks.needle import make_sample, score
+from benchmarks.tasks.ruler import make_sample, score
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "needle_cpu.json"
 DECODE_TOKENS = 32
@@ -57,8 +57,8 @@ def worker(spec: dict) -> dict:
         fig = figures.get(out.request_id)
         records.append({
             "task": s.task, "target_tokens": s.target_tokens, "depth": s.depth, "seed": s.seed,
-            "prompt_tokens": len(out.prompt_token_ids), "budget_ratio": b, "answer": s.answer,
-            "output": out.outputs[0].text, "score": score(s.answer, out.outputs[0].text),
+            "prompt_tokens": len(out.prompt_token_ids), "budget_ratio": b, "answers": s.answers,
+            "output": out.outputs[0].text, "score": score(s.answers, out.outputs[0].text),
             "fast_tier_bytes": fig["fast_tier_bytes"] if fig else None,
             "full_kv_bytes": fig["full_kv_bytes"] if fig else None,
             "host_pool_bytes": fig["host_pool_bytes"] if fig else None,

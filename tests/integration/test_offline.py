@@ -2,7 +2,7 @@
 import pytest
 
 from benchmarks.tasks.haystack import sentences
-from benchmarks.tasks.needle import make_sample, score
+from benchmarks.tasks.ruler import make_sample, score
 from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.vllm
@@ -65,9 +65,9 @@ def test_needle_in_2k_haystack_found_at_quarter_budget(compressed_run):
     for sample, out, fig in zip(needles, result["outputs"], result["figures"]):
         assert fig is not None and fig["budget_rows"] <= 0.25 * fig["prompt_tokens"] + 1
         assert fig["fast_tier_fraction"] < 0.3
-        found.append(score(sample.answer, out["text"]))
-    # The untrained zoom score misses the depth-0.2 needle of this set (benchmarks/ has the
-    # full picture); the trained router is meant to close that gap.
+        found.append(score(sample.answers, out["text"]))
+    # Measured: the untrained zoom score finds 2 of these 3 (it misses depth 0.2); this guards
+    # that level. benchmarks/ has the full picture; the trained router is to close the gap.
     assert sum(found) >= 2, [o["text"] for o in result["outputs"][:3]]
 
 
@@ -77,7 +77,7 @@ def test_mixed_batch_completes_with_per_request_settings(compressed_run):
     assert all(o["token_ids"] for o in outs)
     assert figs[3] is None  # short prompt
     assert figs[4] is None  # sekv_compress false
-    assert score(needles[0].answer, outs[4]["text"]) == 1.0
+    assert score(needles[0].answers, outs[4]["text"]) == 1.0
     assert figs[5]["budget_rows"] == -(-figs[5]["prompt_tokens"] // 2)  # sekv_budget_ratio 0.5
     assert figs[6] is not None and figs[6]["spans"] > 0
     assert result["steps_mixing_prefill_and_compressed_decode"] > 0  # continuous batching really mixed them

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from benchmarks.tasks.needle import make_sample
+from benchmarks.tasks.ruler import make_sample
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,225 @@
+"""RULER-style synthetic task families, built from a tokenizer and local text only.
+
+Families (after NVIDIA/RULER, Apache-2.0; the templates are restated, not copied):
+  needle, passkey                                                one needle, asked directly
+  niah_single, niah_multikey, niah_multivalue, niah_multiquery   keyed needles in essay text
+  vt                                                             variable tracking through noise
+  cwe                                                            common words in a numbered list
+  fwe                                                            frequent coded words (Zipf)
+
+Every sample is deterministic in (task, target_tokens, depth, seed). Its user message is grown
+unit by unit (essay sentences, noise lines, list words) and the unit count binary-searched so
+that the message is the shortest one reaching `target_tokens` with the model's tokenizer.
+Scoring is RULER's string_match_all: the share of expected strings found in the output.
+"""
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+from benchmarks.tasks.haystack import sentences
+
+CountTokens = Callable[[str], int]
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    seed: int
+    target_tokens: int
+    depth: float
+    prompt: str  # the user message; the runner applies the chat template
+    answers: tuple[str, ...]
+
+
+@lru_cache(maxsize=1)
+def _essay_words() -> tuple[str, ...]:
+    """Distinct lowercase words of 5-10 letters from the essays: keys and list words."""
+    seen: dict[str, None] = {}
+    for sentence in sentences():
+        for w in re.findall(r"\b[a-z]{5,10}\b", sentence):
+            seen.setdefault(w, None)
+    return tuple(seen)
+
+
+def _key(rng: random.Random) -> str:
+    words = _essay_words()
+    return f"{rng.choice(words)}-{rng.choice(words)}"
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _essay_units(rng: random.Random) -> Callable[[int], list[str]]:
+    pool = sentences()
+    start = rng.randrange(len(pool))
+    return lambda n: [pool[(start + i) % len(pool)] for i in range(n)]
+
+
+def _place(units: list[str], items: list[str], positions: list[int]) -> list[str]:
+    """units with items[i] inserted before units[positions[i]] (at the end if past it), order kept."""
+    slots: dict[int, list[str]] = {}
+    for pos, item in zip(positions, items):
+        slots.setdefault(min(pos, len(units)), []).append(item)
+    out: list[str] = []
+    for i in range(len(units) + 1):
+        out.extend(slots.get(i, ()))
+        if i < len(units):
+            out.append(units[i])
+    return out
+
+
+def _spots(n: int, count: int, depth: float, seed: int) -> list[int]:
+    """The first spot at `depth` of n units, the others later and random, ascending."""
+    first = round(depth * n)
+    rng = random.Random(seed * 7919 + n)
+    return [first] + sorted(rng.randint(first, n) for _ in range(count - 1))
+
+
+# -- families: each returns render(n_units) -> (message, answers) ------------------------------
+def _niah(num_keys: int, num_values: int, num_queries: int):
+    def family(rng: random.Random, depth: float):
+        keys = [_key(rng) for _ in range(num_keys)]
+        values = {k: [_number(rng) for _ in range(num_values)] for k in keys}
+        needles = [f"One of the special magic numbers for {k} is: {v}." for k in keys for v in values[k]]
+        rng.shuffle(needles)
+        queried = keys[:num_queries]
+        units = _essay_units(rng)
+        if num_queries == 1:
+            question = f"What are all the special magic numbers for {queried[0]} mentioned in the provided text?"
+        else:
+            question = ("What are all the special magic numbers for " + ", ".join(queried[:-1])
+                        + f" and {queried[-1]} mentioned in the provided text?")
+        answers = tuple(v for k in queried for v in values[k])
+        # The first queried needle goes to the requested depth.
+        first = next(i for i, n in enumerate(needles) if queried[0] in n)
+        needles.insert(0, needles.pop(first))
+
+        def render(n: int) -> tuple[str, tuple[str, ...]]:
+            body = " ".join(_place(units(n), needles, _spots(n, len(needles), depth, len(needles))))
+            return (
+                "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                f"I will quiz you about the numbers afterwards.\n\n{body}\n\n{question}",
+                answers,
+            )
+
+        return render
+
+    return family
+
+
+def _single(task: str):
+    """One needle in essay text, asked for directly: the project's first benchmark tasks."""
+    question = {
+        "needle": "What is the special magic number mentioned in the text above? Answer with the number only.",
+        "passkey": "What is the pass key? The pass key is",
+    }[task]
+
+    def family(rng: random.Random, depth: float):
+        value = _number(rng)
+        needle = (f"The pass key is {value}. Remember it. {value} is the pass key." if task == "passkey"
+                  else f"The special magic number is: {value}.")
+        units = _essay_units(rng)
+
+        def render(n: int):
+            body = " ".join(_place(units(n), [needle], [round(depth * n)]))
+            return f"Read the text below and answer the question.\n\n{body}\n\n{question}", (value,)
+
+        return render
+
+    return family
+
+
+_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def _vt(rng: random.Random, depth: float, hops: int = 4):
+    value = str(rng.randint(10_000, 99_999))
+    names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(hops + 1)]
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
+
+    def render(n: int):
+        text = "\n".join(_place([_NOISE] * n, chain, _spots(n, len(chain), depth, hops)))
+        question = f"Find all variables that are assigned the value {value} in the text above."
+        return f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{text}\n\n{question}", tuple(names)
+
+    return render
+
+
+def _cwe(rng: random.Random, depth: float, common: int = 10, freq_common: int = 10, freq_rare: int = 2):
+    words = list(_essay_words())
+    rng.shuffle(words)
+    common_words, rare_pool = words[:common], words[common:]
+
+    def render(n: int):
+        lst = [w for w in common_words for _ in range(freq_common)]
+        lst += [w for w in rare_pool[:n] for _ in range(freq_rare)]
+        random.Random(n).shuffle(lst)
+        numbered = " ".join(f"{i + 1}. {w}" for i, w in enumerate(lst))
+        question = f"What are the {common} most common words in the list above?"
+        return f"Below is a numbered list of words. Memorize the ones that appear most often.\n\n{numbered}\n\n{question}", tuple(common_words)
+
+    return render
+
+
+def _fwe(rng: random.Random, depth: float, alpha: float = 2.0, top: int = 3):
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6))) for _ in range(2000)]
+
+    def render(n: int):
+        # Zipf counts over a fixed vocabulary, scaled to n words in all; the top words keep
+        # strictly decreasing counts so the answer is unique.
+        weights = [1 / (r + 1) ** alpha for r in range(len(vocab))]
+        total = sum(weights)
+        counts = [max(int(n * w / total), 0) for w in weights]
+        counts[:top] = [max(c, counts[top] + top - i) for i, c in enumerate(counts[:top])]
+        text = [w for w, c in zip(vocab, counts) for _ in range(c)]
+        random.Random(n).shuffle(text)
+        question = f"What are the {top} most frequently appearing coded words in the text above?"
+        return f"Read the following coded text and track the frequency of each coded word.\n\n{' '.join(text)}\n\n{question}", tuple(vocab[:top])
+
+    return render
+
+
+FAMILIES = {
+    "needle": _single("needle"),
+    "passkey": _single("passkey"),
+    "niah_single": _niah(1, 1, 1),
+    "niah_multikey": _niah(4, 1, 1),
+    "niah_multivalue": _niah(1, 4, 1),
+    "niah_multiquery": _niah(4, 1, 4),
+    "vt": _vt,
+    "cwe": _cwe,
+    "fwe": _fwe,
+}
+
+
+def make_sample(task: str, target_tokens: int, depth: float, seed: int, count_tokens: CountTokens) -> Sample:
+    """The shortest message of `task` reaching `target_tokens` (model tokenizer), deterministic."""
+    if task not in FAMILIES:
+        raise ValueError(f"task: {task!r} is not one of {sorted(FAMILIES)}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth: {depth} is outside [0, 1]")
+    render = FAMILIES[task](random.Random(f"{task}:{target_tokens}:{depth}:{seed}"), depth)
+    hi = 16
+    while count_tokens(render(hi)[0]) < target_tokens:
+        hi *= 2
+    lo = 0
+    while lo < hi:  # fewest units that reach the target
+        mid = (lo + hi) // 2
+        if count_tokens(render(mid)[0]) >= target_tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    message, answers = render(lo)
+    return Sample(task, seed, target_tokens, depth, message, answers)
+
+
+def score(answers: tuple[str, ...], output: str) -> float:
+    """RULER string_match_all: share of expected strings in the output (case-insensitive)."""
+    out = output.lower()
+    return sum(a.lower() in out for a in answers) / len(answers)
