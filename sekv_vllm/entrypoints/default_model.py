@@ -48,7 +48,7 @@ def prepare_default_model(force: bool = False) -> Path:
     config = gguf_model.config
     config.quantization_config = None
     config.__dict__.pop("quantization_config", None)
-    config.torch_dtype = torch.bfloat16
+    config.dtype = torch.bfloat16
     # The chat template writes <|im_start|> itself; an automatic BOS would double it.
     config.bos_token_id, config.eos_token_id = 1, 2
     model = LlamaForCausalLM(config)

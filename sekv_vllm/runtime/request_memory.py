@@ -8,9 +8,11 @@ when it finishes, aborts or is preempted.
 from __future__ import annotations
 
 import enum
+from collections import deque
 import json
 import logging
 from dataclasses import dataclass, field
+
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
@@ -59,7 +61,8 @@ class SeKVRuntime:
         self.policy: ZoomPolicy = make_policy(config.zoom_policy)
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
-        self.completed_figures: list[dict] = []
+        # Figures of the last requests that ended, for benchmarks and tests in this process.
+        self.completed_figures: deque[dict] = deque(maxlen=4096)
 
     # -- admission ---------------------------------------------------------------------
     def admit(self, req_id: str, prompt_len: int, extra_args: dict | None) -> RequestMemory:
@@ -70,24 +73,26 @@ class SeKVRuntime:
         """
         try:
             overrides = RequestOverrides.from_extra_args(extra_args)
+            budget = self.config.budget_for(prompt_len, overrides)
+            reason = self._full_kv_reason(prompt_len, overrides)
         except ValueError as err:
-            overrides, reason = None, f"bad per-request settings: {err}"
-        budget = self.config.budget_for(prompt_len, overrides) if overrides else prompt_len
-        if overrides is None:
-            pass
-        elif not overrides.sekv_compress:
-            reason = "compression switched off by the request"
-        elif prompt_len < self.config.min_prompt_tokens:
-            reason = f"prompt ({prompt_len}) shorter than min_prompt_tokens ({self.config.min_prompt_tokens})"
-        elif prompt_len <= self.config.window:
-            reason = f"prompt ({prompt_len}) fits in the window ({self.config.window})"
-        else:
-            reason = ""
+            budget, reason = prompt_len, f"bad per-request settings: {err}"
+            logger.warning("sekv: request %s keeps full KV: %s", req_id, reason)
         mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason)
         if not reason:
             mem.surprisal = torch.zeros(prompt_len, dtype=torch.float32)
         self.requests[req_id] = mem
         return mem
+
+    def _full_kv_reason(self, prompt_len: int, overrides: RequestOverrides) -> str:
+        """Why a request keeps full KV, or "" when it will be compressed."""
+        if not overrides.sekv_compress:
+            return "compression switched off by the request"
+        if prompt_len < self.config.min_prompt_tokens:
+            return f"prompt ({prompt_len}) shorter than min_prompt_tokens ({self.config.min_prompt_tokens})"
+        if prompt_len <= self.config.window:
+            return f"prompt ({prompt_len}) fits in the window ({self.config.window})"
+        return ""
 
     def get(self, req_id: str) -> RequestMemory | None:
         return self.requests.get(req_id)

@@ -49,12 +49,12 @@ class RunnerBridge:
         global _current
         _current = self
         for req_id in scheduler_output.finished_req_ids:
-            self._release(req_id, "finished")
+            self.runtime.release(req_id, outcome="finished")
         for req_id in scheduler_output.preempted_req_ids or ():
-            self._release(req_id, "preempted")
+            self.runtime.release(req_id, outcome="preempted")
         for new in scheduler_output.scheduled_new_reqs:
             if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
-                self._release(new.req_id, "restarted")
+                self.runtime.release(new.req_id, outcome="restarted")
             extra = new.sampling_params.extra_args if new.sampling_params else None
             self.runtime.admit(new.req_id, len(new.prompt_token_ids or ()), extra)
 
@@ -109,9 +109,6 @@ class RunnerBridge:
             block_bytes = kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
             mem.figures["vllm_pages_held_bytes"] = math.ceil(mem.prompt_len / kv_cache.shape[2]) * block_bytes
 
-    def _release(self, req_id: str, outcome: str) -> None:
-        self.runtime.release(req_id, outcome=outcome)
-
 
 def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":
     """The runner's bridge, made on first use; None when the runner's config has no `sekv`."""
@@ -131,4 +128,4 @@ def request_figures() -> list[dict]:
     if bridge is None:
         return []
     live = [bridge.runtime.figures(r) for r in bridge.runtime.requests]
-    return bridge.runtime.completed_figures + [f for f in live if f]
+    return list(bridge.runtime.completed_figures) + [f for f in live if f]
