@@ -15,15 +15,20 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 STOCK_PLUGINS = "none-stock-vllm"  # VLLM_PLUGINS is an allow-list: this name matches no plugin
 
 
-def run_in_subprocess(module: str, spec: dict, stock: bool) -> dict:
+def run_in_subprocess(module: str, spec: dict, stock: bool, show_progress: bool = False) -> dict:
+    """Run `python -m module --worker SPEC` and return the JSON it prints after `RESULT `.
+
+    show_progress: let the worker's stderr (progress bars, logs) through instead of keeping it.
+    """
     env = {**os.environ, **ENGINE_ENV}
     if stock:
         env["VLLM_PLUGINS"] = STOCK_PLUGINS
     proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
+                          stdout=subprocess.PIPE, stderr=None if show_progress else subprocess.PIPE,
+                          text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{module} worker failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{module} worker failed (rc={proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 

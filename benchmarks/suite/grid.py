@@ -1,0 +1,93 @@
+"""What a suite run measures: a validated grid of backends x budgets x tasks x lengths x samples.
+
+Profiles name ready-made grids: `ci` (a minute or two), `quick` (under 30 minutes on 2 cores),
+`full` (hours; resumable). Evaluation seeds start at EVAL_SEED_BASE; router training draws
+its samples below it, so the two never overlap.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from benchmarks.tasks.ruler import FAMILIES
+
+EVAL_SEED_BASE = 1_000_000
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+class GridError(ValueError):
+    """A grid specification is invalid; the message names the field and the allowed values."""
+
+
+class Grid(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backends: tuple[Literal["vllm", "sekv"], ...] = ("vllm", "sekv")
+    budgets: tuple[float, ...] = (0.5, 0.25, 0.125)
+    tasks: tuple[str, ...] = ("needle", "passkey")
+    lengths: tuple[int, ...] = (1000,)
+    samples: int = Field(3, ge=1, le=1000)
+    max_tokens: int = Field(32, ge=1, le=1024)
+    sekv_config: dict = Field(default_factory=dict)
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [t for t in tasks if t not in FAMILIES]
+        if unknown or not tasks:
+            raise ValueError(f"unknown task(s) {unknown}; allowed: {sorted(FAMILIES)}")
+        return tasks
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets_in_range(cls, budgets: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [b for b in budgets if not 0 < b <= 1]
+        if bad:
+            raise ValueError(f"budgets {bad} are outside (0, 1]")
+        return budgets
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths_in_range(cls, lengths: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [n for n in lengths if not 128 <= n <= 32768]
+        if bad or not lengths:
+            raise ValueError(f"lengths {bad} are outside [128, 32768]")
+        return lengths
+
+    def jobs(self) -> list[dict]:
+        """Every (backend, budget, task, length, seed, depth) cell; full KV has budget 1.0."""
+        out = []
+        for backend in self.backends:
+            for budget in (self.budgets if backend == "sekv" else (1.0,)):
+                for task in self.tasks:
+                    for n in self.lengths:
+                        for i in range(self.samples):
+                            out.append({"backend": backend, "budget": budget, "task": task, "length": n,
+                                        "seed": EVAL_SEED_BASE + i, "depth": DEPTHS[i % len(DEPTHS)]})
+        return out
+
+
+def job_key(job: dict) -> tuple:
+    return (job["backend"], job["budget"], job["task"], job["length"], job["seed"])
+
+
+PROFILES: dict[str, dict] = {
+    "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,), "max_tokens": 24},
+    "quick": {"tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000),
+              "samples": 3, "budgets": (0.5, 0.25, 0.125)},
+    "full": {"tasks": tuple(sorted(FAMILIES)), "lengths": (1000, 2000, 4000, 8000), "samples": 10,
+             "budgets": (0.5, 0.25, 0.125, 0.0625)},
+}
+
+
+def make_grid(profile: str | None = None, **overrides) -> Grid:
+    """The grid of a profile with overrides applied; GridError names any bad field."""
+    if profile is not None and profile not in PROFILES:
+        raise GridError(f"profile: {profile!r} is not one of {sorted(PROFILES)}")
+    raw = {**(PROFILES[profile] if profile else {}), **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        return Grid(**raw)
+    except ValidationError as err:
+        msgs = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+        raise GridError("invalid grid: " + "; ".join(msgs)) from None

@@ -1,0 +1,163 @@
+"""The benchmark suite: a grid of backends x budgets x tasks x lengths, one engine per backend.
+
+    python -m benchmarks.suite.run --profile quick              # resumes where it stopped
+    python -m benchmarks.suite.run --profile ci --out /tmp/ci   # a minute or two
+    python -m benchmarks.suite.run --tasks vt cwe --lengths 2000 --samples 5 --budgets 0.25
+
+Writes OUT/records.jsonl (one JSON record per sample, appended as each batch finishes, so an
+interrupted run resumes without redoing finished samples) and OUT/summary.json. Samples run
+in batches of one task and length (continuous batching does the scheduling); each record
+carries its batch's wall time and size. Stock vLLM runs with plugins off in its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.engine import make_llm, run_in_subprocess
+from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
+from benchmarks.tasks.ruler import make_sample, score
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+BATCH = 16
+
+
+def load_records(path: Path) -> list[dict]:
+    """Records written so far; a line cut short by an interruption is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def pending_jobs(grid: Grid, records: list[dict]) -> list[dict]:
+    done = {job_key(r) for r in records}
+    return [j for j in grid.jobs() if job_key(j) not in done]
+
+
+def worker(spec: dict) -> dict:
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    grid = Grid(**spec["grid"])
+    sekv = grid.sekv_config if spec["backend"] == "sekv" else None
+    llm = make_llm(spec["model"], sekv, max(grid.lengths) + grid.max_tokens + 256)
+    tok = llm.get_tokenizer()
+    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for job in spec["jobs"]:
+        groups[(job["task"], job["length"])].append(job)
+    out_path = Path(spec["records"])
+    written = 0
+    with tqdm(total=len(spec["jobs"]), desc=spec["backend"], unit="sample", file=sys.stderr) as bar, \
+            out_path.open("a") as out:
+        for group in groups.values():
+            for start in range(0, len(group), BATCH):
+                batch = group[start : start + BATCH]
+                samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
+                prompts = [tok.apply_chat_template([{"role": "user", "content": s.prompt}], tokenize=False,
+                                                   add_generation_prompt=True) for s in samples]
+                params = [SamplingParams(temperature=0.0, max_tokens=grid.max_tokens,
+                                         extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
+                          for j in batch]
+                t0 = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                figures = {}
+                if sekv is not None:
+                    from sekv_vllm.integration.vllm.runner_bridge import request_figures
+
+                    figures = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+                for job, sample, o in zip(batch, samples, outputs):
+                    fig = figures.get(o.request_id) or {}
+                    out.write(json.dumps({
+                        **job, "prompt_tokens": len(o.prompt_token_ids), "answers": sample.answers,
+                        "output": o.outputs[0].text, "score": score(sample.answers, o.outputs[0].text),
+                        "batch_seconds": round(seconds, 3), "batch_size": len(batch),
+                        "fast_tier_fraction": fig.get("fast_tier_fraction"),
+                        "host_pool_bytes": fig.get("host_pool_bytes"), "full_kv_bytes": fig.get("full_kv_bytes"),
+                        "spans": fig.get("spans"), "mean_zoomed_spans": fig.get("mean_zoomed_spans"),
+                    }) + "\n")
+                out.flush()
+                written += len(batch)
+                bar.update(len(batch))
+    return {"written": written}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        cells[(r["backend"], r["budget"], r["task"], r["length"])].append(r)
+    rows = []
+    for (backend, budget, task, length), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] == "sekv", -kv[0][1])):
+        fractions = [r["fast_tier_fraction"] for r in rs if r["fast_tier_fraction"] is not None]
+        rows.append({"backend": backend, "budget": budget, "task": task, "length": length, "samples": len(rs),
+                     "accuracy": statistics.mean(r["score"] for r in rs),
+                     "fast_tier_fraction": statistics.mean(fractions) if fractions else (1.0 if backend == "vllm" else None)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default=None, help="ci, quick or full; other flags override its fields")
+    parser.add_argument("--tasks", nargs="+", default=None)
+    parser.add_argument("--lengths", nargs="+", type=int, default=None)
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--budgets", nargs="+", type=float, default=None)
+    parser.add_argument("--backends", nargs="+", default=None)
+    parser.add_argument("--sekv-config", type=json.loads, default=None, help="JSON SeKVConfig fields")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/suite-PROFILE")
+    parser.add_argument("--fresh", action="store_true", help="discard earlier records instead of resuming")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+        return 0
+    try:
+        grid = make_grid(args.profile, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
+                         budgets=args.budgets, backends=args.backends, sekv_config=args.sekv_config)
+    except GridError as err:
+        parser.error(str(err))
+    from sekv_vllm.entrypoints.default_model import prepare_default_model
+
+    model = args.model or str(prepare_default_model())
+    out_dir = args.out or RESULTS / f"suite-{args.profile or 'custom'}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records_path = out_dir / "records.jsonl"
+    if args.fresh and records_path.exists():
+        records_path.unlink()
+    start = time.time()
+    for backend in grid.backends:
+        jobs = [j for j in pending_jobs(grid, load_records(records_path)) if j["backend"] == backend]
+        if not jobs:
+            continue
+        spec = {"model": model, "grid": grid.model_dump(), "backend": backend, "jobs": jobs,
+                "records": str(records_path)}
+        run_in_subprocess("benchmarks.suite.run", spec, stock=backend == "vllm", show_progress=True)
+    records = [r for r in load_records(records_path) if job_key(r) in {job_key(j) for j in grid.jobs()}]
+    rows = summarize(records)
+    summary = {"command": "python -m benchmarks.suite.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "grid": grid.model_dump(), "model": Path(model).name, "seconds_this_run": round(time.time() - start),
+               "rows": rows}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{'task':<16}{'tokens':>7}{'backend':>9}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}")
+    for r in rows:
+        ft = "-" if r["fast_tier_fraction"] is None else f"{100 * r['fast_tier_fraction']:.1f}%"
+        print(f"{r['task']:<16}{r['length']:>7}{r['backend']:>9}{r['budget']:>8.3f}{r['samples']:>4}{r['accuracy']:>7.2f}{ft:>11}")
+    print(f"records: {records_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
