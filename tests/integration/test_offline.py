@@ -28,9 +28,14 @@ def equality_prompts(count_tokens):
     ]
 
 
-def test_full_budget_equals_stock_vllm_token_for_token(model_dir, equality_prompts, tmp_path):
+@pytest.fixture(scope="module")
+def stock_run(model_dir, equality_prompts, tmp_path_factory):
     requests = [{"prompt": p, "max_tokens": 24} for p in equality_prompts]
-    stock = run_job({"model": model_dir, "plugins": False, "requests": requests}, tmp_path)
+    return requests, run_job({"model": model_dir, "plugins": False, "requests": requests}, tmp_path_factory.mktemp("stock"))
+
+
+def test_full_budget_equals_stock_vllm_token_for_token(model_dir, stock_run, tmp_path):
+    requests, stock = stock_run
     sekv = run_job({"model": model_dir, "additional_config": {"sekv": LOSSLESS}, "requests": requests}, tmp_path)
     assert "sekv" not in stock["stderr"]  # the reference really ran without the plugin
     for i, (a, b) in enumerate(zip(stock["outputs"], sekv["outputs"])):
@@ -38,6 +43,15 @@ def test_full_budget_equals_stock_vllm_token_for_token(model_dir, equality_promp
     assert sekv["figures"][0] is None  # 1 short prompt: full KV
     for fig in sekv["figures"][1:]:
         assert fig is not None and fig["spans"] > 0 and fig["decode_steps"] > 0
+
+
+def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):
+    requests, stock = stock_run
+    sekv = run_job({"model": model_dir, "additional_config": {"sekv": {"host_pool_bytes": 1000, "min_prompt_tokens": 256}},
+                    "requests": requests}, tmp_path)
+    assert [o["token_ids"] for o in sekv["outputs"]] == [o["token_ids"] for o in stock["outputs"]]
+    assert all(f is None for f in sekv["figures"])  # nothing compressed, nothing lost
+    assert "host pool full" in sekv["stderr"] and "keeps full KV" in sekv["stderr"]
 
 
 @pytest.fixture(scope="module")
