@@ -51,3 +51,14 @@ def test_kernel_indexes_past_int32_on_large_tables(device):
     out = span_rebuild_triton(coef, basis, torch.zeros(1, dtype=torch.long, device=device),
                               torch.tensor([S - 1], device=device))
     assert torch.allclose(out.cpu(), torch.ones(1, Hkv, D))
+
+
+def test_public_op_validates_shapes_and_matches_reference():
+    from sekv_vllm.ops import span_rebuild
+
+    g = torch.Generator().manual_seed(0)
+    coef, basis = torch.randn(20, 3, 8, generator=g), torch.randn(4, 3, 8, 60, generator=g)
+    row, span = torch.randint(0, 20, (11,), generator=g), torch.randint(0, 4, (11,), generator=g)
+    assert rel_err(span_rebuild(coef, basis, row, span), span_rebuild_reference(coef, basis, row, span)) < 1e-5
+    with pytest.raises(ValueError, match=r"coef must be \[P, Hkv, R\] and basis \[S, Hkv, R, D\]"):
+        span_rebuild(coef[0], basis, row, span)
