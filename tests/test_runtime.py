@@ -73,3 +73,20 @@ def test_host_pool_accounting():
     assert not pool.store("b", "x", object(), 50)  # refuses instead of exceeding
     assert pool.store("a", "x", object(), 40)  # replacing frees the old entry first
     assert pool.used_bytes == 40 and pool.release("a") == 40 and pool.used_bytes == 0
+
+
+def test_stats_path_gets_one_json_line_per_compressed_request(tmp_path):
+    import json
+
+    path = tmp_path / "stats.jsonl"
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, stats_path=str(path)), LAYERS)
+    for i in range(2):
+        rt.admit(f"r{i}", 600, None)
+        prefill(rt, f"r{i}", 600, seed=i)
+        rt.compress(f"r{i}")
+        rt.release(f"r{i}", outcome="finished")
+    rt.admit("short", 5, None)
+    rt.release("short", outcome="finished")  # full KV: no line
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["req_id"] for x in lines] == ["r0", "r1"]
+    assert all(x["outcome"] == "finished" and 0 < x["fast_tier_fraction"] < 1 for x in lines)
