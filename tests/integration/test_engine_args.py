@@ -42,3 +42,12 @@ def test_create_engine_config_validates_and_turns_prefix_caching_off(engine_args
     config = good.create_engine_config()
     assert config.cache_config.enable_prefix_caching is False
     assert config.additional_config["sekv"]["budget_ratio"] == 0.25  # normalised: every process sees all fields
+
+
+def test_speculative_decoding_is_refused_with_sekv(engine_args_cls, model_dir):
+    from sekv_vllm.config import SeKVConfigError
+
+    args = engine_args_cls(model=model_dir, additional_config={"sekv": {}},
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(SeKVConfigError, match="speculative_config: speculative decoding is not supported with sekv"):
+        args.create_engine_config()

@@ -98,6 +98,9 @@ def _install_cli() -> None:
                         "kv_cache_backend: sekv runs on vLLM's CPU platform only so far; "
                         "the GPU attention path is not written yet"
                     )
+                if self.speculative_config:
+                    # Draft tokens would enter the compressed window before they are accepted.
+                    raise SeKVConfigError("speculative_config: speculative decoding is not supported with sekv yet")
                 if self.enable_prefix_caching is not False:
                     logger.info("sekv: prefix caching switched off (compressed requests do not share pages)")
                 self.enable_prefix_caching = False
