@@ -49,9 +49,9 @@ def worker(spec: dict) -> dict:
     outputs, seconds = timed_generate(llm, [chat(s.prompt) for s, _ in jobs], [params(b, 24) for _, b in jobs])
     figures = {}
     if spec["sekv"] is not None:
-        from sekv_vllm.integration.vllm.runner_bridge import request_figures
+        from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
-        figures = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+        figures = figures_by_request_id()
     records = []
     for (s, b), out in zip(jobs, outputs):
         fig = figures.get(out.request_id)

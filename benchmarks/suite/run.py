@@ -75,9 +75,9 @@ def worker(spec: dict) -> dict:
                 seconds = time.perf_counter() - t0
                 figures = {}
                 if sekv is not None:
-                    from sekv_vllm.integration.vllm.runner_bridge import request_figures
+                    from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
-                    figures = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+                    figures = figures_by_request_id()
                 for job, sample, o in zip(batch, samples, outputs):
                     fig = figures.get(o.request_id) or {}
                     out.write(json.dumps({

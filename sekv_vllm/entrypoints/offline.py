@@ -25,7 +25,7 @@ def generate(
     """Greedy answers to `prompts` plus the compression figures of each compressed request."""
     from vllm import LLM, SamplingParams
 
-    from sekv_vllm.integration.vllm.runner_bridge import request_figures
+    from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, **llm_kwargs(backend, sekv))
     if chat:
@@ -35,10 +35,10 @@ def generate(
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     seconds = time.perf_counter() - start
-    figures = {f["req_id"]: f for f in request_figures()}
+    figures = figures_by_request_id()
     results = []
     for out in outputs:
-        fig = next((f for rid, f in figures.items() if rid.rsplit("-", 1)[0] == out.request_id), None)
+        fig = figures.get(out.request_id)
         results.append({
             "prompt_tokens": len(out.prompt_token_ids),
             "answer": out.outputs[0].text,

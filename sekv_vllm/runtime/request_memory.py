@@ -40,7 +40,6 @@ class RequestMemory:
     surprisal: torch.Tensor | None = None  # [T] float32, s_0 = 0
     layout: SpanLayout | None = None
     zoom_budget: int = 0
-    layers: dict[str, LayerSpanMemory] = field(default_factory=dict)
     # PREFILLING: every computed row by position; COMPRESSED: full-resolution rows only
     # (anchors and short runs, then window and generated tokens, in position order).
     rows: dict[str, RowBuffer] = field(default_factory=dict)
@@ -140,7 +139,6 @@ class SeKVRuntime:
                     self.pool.used_bytes, self.pool.capacity_bytes, req_id,
                 )
                 return self._keep_full(mem, "host pool full")
-            mem.layers[name] = layer
         # Keep only the full-resolution rows; rows past the prompt (a resumed request's
         # earlier output) stay as window rows.
         keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.rows[self.layer_names[0]].length)])
@@ -155,7 +153,7 @@ class SeKVRuntime:
         L = len(self.layer_names)
         k0 = mem.rows[self.layer_names[0]].k
         row_bytes = 2 * k0[0].numel() * k0.element_size()
-        summary_bytes = sum(layer.summary_nbytes for layer in mem.layers.values())
+        summary_bytes = sum(self.pool.load(req_id, name).summary_nbytes for name in self.layer_names)
         mem.figures = {
             "req_id": req_id,
             "prompt_tokens": mem.prompt_len,
@@ -189,7 +187,7 @@ class SeKVRuntime:
         return mem
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
-        mem.status, mem.reason, mem.layers, mem.rows = Status.FULL_KV, reason, {}, {}
+        mem.status, mem.reason, mem.rows = Status.FULL_KV, reason, {}
         logger.info("sekv: request %s keeps full KV: %s", mem.req_id, reason)
         return mem
 
@@ -197,7 +195,7 @@ class SeKVRuntime:
     def attend(self, req_id: str, layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [H, D] post-RoPE query of the newest token (already captured); returns [H, D] float32."""
         mem = self.requests[req_id]
-        layer = mem.layers[layer_name]
+        layer = self.pool.load(req_id, layer_name)
         full_k, full_v = mem.rows[layer_name].view()
         zoom = self.policy.select(q, layer.summary_k, layer.span_len, mem.zoom_budget, scale)
         mem.decode_calls += 1

@@ -41,10 +41,10 @@ def main() -> None:
     outputs = llm.generate([chat(r["prompt"]) for r in reqs], params)
     figures, mixed_steps = [], None
     if spec.get("plugins", True):
-        from sekv_vllm.integration.vllm.runner_bridge import current_bridge, request_figures
+        from sekv_vllm.integration.vllm.runner_bridge import current_bridge, figures_by_request_id
 
         mixed_steps = current_bridge().steps_mixing_prefill_and_compressed_decode if current_bridge() else None
-        by_id = {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+        by_id = figures_by_request_id()
         figures = [by_id.get(o.request_id) for o in outputs]
     result = {
         "outputs": [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),

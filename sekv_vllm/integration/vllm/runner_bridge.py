@@ -122,6 +122,12 @@ def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":
     return bridge
 
 
+def figures_by_request_id() -> dict[str, dict]:
+    """`request_figures()` keyed by the request id `LLM.generate` reports (the engine appends
+    a suffix of its own to each id)."""
+    return {f["req_id"].rsplit("-", 1)[0]: f for f in request_figures()}
+
+
 def request_figures() -> list[dict]:
     """Figures of every compressed request this process has seen (in-process engines only)."""
     bridge = current_bridge()
