@@ -11,7 +11,7 @@ import json
 import sys
 
 from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
-from benchmarks.tasks.ruler import make_sample, score
+from benchmarks.tasks.ruler import chat_prompt, make_sample, score
 
 
 def worker(spec: dict) -> dict:
@@ -21,8 +21,7 @@ def worker(spec: dict) -> dict:
     tok = llm.get_tokenizer()
     sample = make_sample("needle", spec["tokens"], spec["depth"], 0,
                          lambda t: len(tok(t, add_special_tokens=False).input_ids))
-    prompt = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = chat_prompt(sample, tok)
     outputs, seconds = timed_generate(llm, [prompt], [SamplingParams(temperature=0.0, max_tokens=24)])
     figures = None
     if spec["sekv"] is not None:

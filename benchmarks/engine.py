@@ -15,12 +15,14 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 STOCK_PLUGINS = "none-stock-vllm"  # VLLM_PLUGINS is an allow-list: this name matches no plugin
 
 
-def run_in_subprocess(module: str, spec: dict, stock: bool, show_progress: bool = False) -> dict:
+def run_in_subprocess(module: str, spec: dict, stock: bool, show_progress: bool = False,
+                      env: dict[str, str] | None = None) -> dict:
     """Run `python -m module --worker SPEC` and return the JSON it prints after `RESULT `.
 
     show_progress: let the worker's stderr (progress bars, logs) through instead of keeping it.
+    env: variables set over ENGINE_ENV (the KV pool size, say).
     """
-    env = {**os.environ, **ENGINE_ENV}
+    env = {**os.environ, **ENGINE_ENV, **(env or {})}
     if stock:
         env["VLLM_PLUGINS"] = STOCK_PLUGINS
     proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)],

@@ -49,6 +49,8 @@ class SeKVConfig(BaseModel):
     r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
     zoom_policy: Literal["span_score"] = "span_score"
     host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")
+    return_pages: bool = Field(True, description="return a compressed request's prompt pages to vLLM's pool, "
+                               "but for the fast tier's share")
     stats_path: str | None = Field(None, description="append one JSON line of figures per compressed request here")
 
     @model_validator(mode="after")

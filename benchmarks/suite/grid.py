@@ -1,5 +1,11 @@
 """What a suite run measures: a validated grid of backends x budgets x tasks x lengths x samples.
 
+Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM), and
+`kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
+of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
+budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
+through the OpenAI server with `concurrency` requests in flight.
+
 Profiles name ready-made grids: `ci` (a minute or two), `quick` (under 30 minutes on 2 cores),
 `full` (hours; resumable). Evaluation seeds start at EVAL_SEED_BASE; router training draws
 its samples below it, so the two never overlap.
@@ -10,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from benchmarks.peers.presses import PRESSES
 from benchmarks.tasks.ruler import FAMILIES
 
 EVAL_SEED_BASE = 1_000_000
@@ -23,13 +30,24 @@ class GridError(ValueError):
 class Grid(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backends: tuple[Literal["vllm", "sekv"], ...] = ("vllm", "sekv")
+    backends: tuple[str, ...] = ("vllm", "sekv")
     budgets: tuple[float, ...] = (0.5, 0.25, 0.125)
     tasks: tuple[str, ...] = ("needle", "passkey")
     lengths: tuple[int, ...] = (1000,)
     samples: int = Field(3, ge=1, le=1000)
     max_tokens: int = Field(32, ge=1, le=1024)
     sekv_config: dict = Field(default_factory=dict)
+    via: Literal["offline", "server"] = "offline"
+    concurrency: int = Field(8, ge=1, le=256)
+
+    @field_validator("backends")
+    @classmethod
+    def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
+        allowed = ["vllm", "sekv"] + [f"kvpress:{p}" for p in PRESSES]
+        unknown = [b for b in backends if b not in allowed]
+        if unknown or not backends:
+            raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}")
+        return backends
 
     @field_validator("tasks")
     @classmethod
@@ -59,7 +77,7 @@ class Grid(BaseModel):
         """Every (backend, budget, task, length, seed, depth) cell; full KV has budget 1.0."""
         out = []
         for backend in self.backends:
-            for budget in (self.budgets if backend == "sekv" else (1.0,)):
+            for budget in (self.budgets if backend != "vllm" else (1.0,)):
                 for task in self.tasks:
                     for n in self.lengths:
                         for i in range(self.samples):
@@ -72,12 +90,14 @@ def job_key(job: dict) -> tuple:
     return (job["backend"], job["budget"], job["task"], job["length"], job["seed"])
 
 
+PEERS = ("kvpress:snapkv", "kvpress:expected_attention")
+
 PROFILES: dict[str, dict] = {
     "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,), "max_tokens": 24},
-    "quick": {"tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000),
-              "samples": 3, "budgets": (0.5, 0.25, 0.125)},
-    "full": {"tasks": tuple(sorted(FAMILIES)), "lengths": (1000, 2000, 4000, 8000), "samples": 10,
-             "budgets": (0.5, 0.25, 0.125, 0.0625)},
+    "quick": {"backends": ("vllm", "sekv", *PEERS), "tasks": ("needle", "passkey", "niah_multikey"),
+              "lengths": (1000, 2000, 4000), "samples": 5, "budgets": (0.5, 0.25, 0.125), "max_tokens": 24},
+    "full": {"backends": ("vllm", "sekv", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
+             "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }
 
 

@@ -1,4 +1,5 @@
-"""Accuracy against the fast-tier fraction, one panel per task, from a suite summary.
+"""Accuracy against the fast-tier fraction, one panel per task, one line per policy, from a
+suite summary; the dashed line is full KV. Accuracy is averaged over the run's lengths.
 
     python -m benchmarks.suite.plot --profile quick    # -> benchmarks/results/suite-quick/accuracy.png
 """
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -19,19 +21,23 @@ def plot(summary: dict, out: Path) -> None:
 
     rows = summary["rows"]
     tasks = sorted({r["task"] for r in rows})
-    lengths = sorted({r["length"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.4), sharey=True, squeeze=False)
+    policies = sorted({r["backend"] for r in rows if r["backend"] != "vllm"}, key=lambda b: (b != "sekv", b))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), sharey=True, squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for i, n in enumerate(lengths):
-            color = f"C{i}"
-            pts = sorted((r["fast_tier_fraction"], r["accuracy"]) for r in rows
-                         if r["task"] == task and r["length"] == n and r["backend"] == "sekv" and r["fast_tier_fraction"])
+        for i, policy in enumerate(policies):
+            budgets = sorted({r["budget"] for r in rows if r["backend"] == policy and r["task"] == task})
+            pts = []
+            for b in budgets:
+                cell = [r for r in rows if r["backend"] == policy and r["task"] == task and r["budget"] == b]
+                fracs = [r["fast_tier_fraction"] for r in cell if r["fast_tier_fraction"]]
+                if fracs:
+                    pts.append((statistics.mean(fracs), statistics.mean(r["accuracy"] for r in cell)))
             if pts:
-                ax.plot(*zip(*pts), "o-", color=color, label=f"sekv ~{n}")
-            full = [r["accuracy"] for r in rows if r["task"] == task and r["length"] == n and r["backend"] == "vllm"]
-            if full:
-                ax.axhline(full[0], color=color, linestyle="--", linewidth=1, label=f"full KV ~{n}")
-        ax.set_title(task)
+                ax.plot(*zip(*sorted(pts)), "o-", color=f"C{i}", label=policy.removeprefix("kvpress:"))
+        full = [r["accuracy"] for r in rows if r["task"] == task and r["backend"] == "vllm"]
+        if full:
+            ax.axhline(statistics.mean(full), color="k", linestyle="--", linewidth=1, label="full KV")
+        ax.set_title(f"{task} (mean over {len({r['length'] for r in rows})} lengths)", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("fast tier / full KV")
         ax.set_ylim(-0.05, 1.05)

@@ -6,43 +6,62 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
+from benchmarks.readme import write_block
+
 ROOT = Path(__file__).resolve().parents[2]
-BEGIN, END = "<!-- suite-results:begin -->", "<!-- suite-results:end -->"
+
+
+def column_name(backend: str, budget: float) -> str:
+    if backend == "vllm":
+        return "full KV"
+    return f"{backend.removeprefix('kvpress:')} {budget:g}"
+
+
+def column_order(columns: set[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Full KV first, then sekv, then peers; tighter budgets to the right."""
+    return sorted(columns, key=lambda c: (c[0] != "vllm", c[0] != "sekv", c[0], -c[1]))
 
 
 def table(summary: dict, source: str) -> str:
     rows = summary["rows"]
-    columns = sorted({(r["backend"], r["budget"]) for r in rows}, key=lambda c: (c[0] == "sekv", -c[1]))
-    head = ["task", "tokens"] + [("full KV" if b == "vllm" else f"sekv {budget:g}") for b, budget in columns]
+    columns = column_order({(r["backend"], r["budget"]) for r in rows})
+    head = ["task", "tokens"] + [column_name(*c) for c in columns]
     lines = [
         f"Command: `{summary['command'].strip()}` ({summary['grid']['samples']} samples per cell, "
-        f"{summary['model']}). Source: `{source}`. Accuracy (string_match_all):",
+        f"{summary['model']}, {summary['seconds_this_run']} s). Source: `{source}`. Accuracy (string_match_all):",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join("---" for _ in head) + " |",
     ]
-    cells = {(r["task"], r["length"], r["backend"], r["budget"]): r["accuracy"] for r in rows}
+    cells = {(r["task"], r["length"], r["backend"], r["budget"]): r for r in rows}
     for task, length in sorted({(r["task"], r["length"]) for r in rows}):
-        vals = [cells.get((task, length, b, budget)) for b, budget in columns]
-        lines.append(f"| {task} | ~{length} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " |")
+        vals = [cells.get((task, length, *c)) for c in columns]
+        lines.append(f"| {task} | ~{length} | " + " | ".join("-" if v is None else f"{v['accuracy']:.2f}" for v in vals) + " |")
+    fractions = [cells.get((rows[0]["task"], rows[0]["length"], *c)) for c in columns]
+    lines.append("| fast tier / full KV | | " + " | ".join(
+        "-" if v is None or v["fast_tier_fraction"] is None else f"{100 * v['fast_tier_fraction']:.1f}%" for v in fractions) + " |")
+    avg = summary.get("averages")
+    if avg:
+        by = {(a["backend"], a["budget"]): a for a in avg["rows"]}
+        lines.append("| **average** (informative tasks) | | " + " | ".join(
+            f"**{by[c]['accuracy']:.2f}**" if c in by else "-" for c in columns) + " |")
+        lines.append("| average / full KV | | " + " | ".join(
+            f"{by[c]['relative_to_full_kv']:.2f}" if c in by and by[c]["relative_to_full_kv"] is not None else "-"
+            for c in columns) + " |")
+        if avg["excluded_tasks"]:
+            lines += ["", f"Kept out of the averages (full KV below {avg['floor']:g} at every length, so they say "
+                          f"nothing about compression): {', '.join(avg['excluded_tasks'])}."]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default="quick")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     args = parser.parse_args()
     path = ROOT / "benchmarks" / "results" / f"suite-{args.profile}" / "summary.json"
-    block = f"{BEGIN}\n{table(json.loads(path.read_text()), str(path.relative_to(ROOT)))}\n{END}"
-    text = args.readme.read_text()
-    if BEGIN not in text:
-        raise SystemExit(f"{args.readme} has no {BEGIN} ... {END} block")
-    args.readme.write_text(re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
-    print(block)
+    print(write_block("suite-results", table(json.loads(path.read_text()), str(path.relative_to(ROOT)))))
 
 
 if __name__ == "__main__":

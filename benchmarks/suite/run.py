@@ -3,11 +3,15 @@
     python -m benchmarks.suite.run --profile quick              # resumes where it stopped
     python -m benchmarks.suite.run --profile ci --out /tmp/ci   # a minute or two
     python -m benchmarks.suite.run --tasks vt cwe --lengths 2000 --samples 5 --budgets 0.25
+    python -m benchmarks.suite.run --profile ci --via server --concurrency 4
+    python -m benchmarks.suite.run --backends vllm kvpress:snapkv --tasks needle --lengths 2000
 
 Writes OUT/records.jsonl (one JSON record per sample, appended as each batch finishes, so an
-interrupted run resumes without redoing finished samples) and OUT/summary.json. Samples run
-in batches of one task and length (continuous batching does the scheduling); each record
-carries its batch's wall time and size. Stock vLLM runs with plugins off in its own process.
+interrupted run resumes without redoing finished samples) and OUT/summary.json. Offline, samples
+run in batches of one task and length (continuous batching does the scheduling) and each record
+carries its batch's wall time and size; through the server each record carries its own request
+latency and the concurrency. Stock vLLM runs with plugins off in its own process; kvpress runs in
+its own virtual environment (benchmarks.peers.kvpress_run).
 """
 from __future__ import annotations
 
@@ -21,10 +25,14 @@ from pathlib import Path
 
 from benchmarks.engine import make_llm, run_in_subprocess
 from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
-from benchmarks.tasks.ruler import make_sample, score
+from benchmarks.suite.records import make_record
+from benchmarks.tasks.ruler import chat_prompt, make_sample, split_at_question
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCH = 16
+# A task whose full-KV accuracy stays below this at every length is beyond the model, so it
+# says nothing about compression: it is kept out of the averages (and named in the summary).
+INFORMATIVE_FLOOR = 0.2
 
 
 def load_records(path: Path) -> list[dict]:
@@ -45,7 +53,20 @@ def pending_jobs(grid: Grid, records: list[dict]) -> list[dict]:
     return [j for j in grid.jobs() if job_key(j) not in done]
 
 
+def batches(jobs: list[dict]) -> list[list[dict]]:
+    """Jobs grouped by (task, length), cut into batches of at most BATCH."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for job in jobs:
+        groups[(job["task"], job["length"])].append(job)
+    return [g[i : i + BATCH] for g in groups.values() for i in range(0, len(g), BATCH)]
+
+
+def token_counter(tokenizer):
+    return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def worker(spec: dict) -> dict:
+    """Offline vLLM (stock or sekv) in this process: LLM.generate per batch."""
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -53,45 +74,47 @@ def worker(spec: dict) -> dict:
     sekv = grid.sekv_config if spec["backend"] == "sekv" else None
     llm = make_llm(spec["model"], sekv, max(grid.lengths) + grid.max_tokens + 256)
     tok = llm.get_tokenizer()
-    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for job in spec["jobs"]:
-        groups[(job["task"], job["length"])].append(job)
+    count = token_counter(tok)
     out_path = Path(spec["records"])
     written = 0
     with tqdm(total=len(spec["jobs"]), desc=spec["backend"], unit="sample", file=sys.stderr) as bar, \
             out_path.open("a") as out:
-        for group in groups.values():
-            for start in range(0, len(group), BATCH):
-                batch = group[start : start + BATCH]
-                samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
-                prompts = [tok.apply_chat_template([{"role": "user", "content": s.prompt}], tokenize=False,
-                                                   add_generation_prompt=True) for s in samples]
-                params = [SamplingParams(temperature=0.0, max_tokens=grid.max_tokens,
-                                         extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
-                          for j in batch]
-                t0 = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                seconds = time.perf_counter() - t0
-                figures = {}
-                if sekv is not None:
-                    from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
+        for batch in batches(spec["jobs"]):
+            samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
+            params = [SamplingParams(temperature=0.0, max_tokens=grid.max_tokens,
+                                     extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
+                      for j in batch]
+            t0 = time.perf_counter()
+            outputs = llm.generate([chat_prompt(s, tok) for s in samples], params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            figures = {}
+            if sekv is not None:
+                from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
-                    figures = figures_by_request_id()
-                for job, sample, o in zip(batch, samples, outputs):
-                    fig = figures.get(o.request_id) or {}
-                    out.write(json.dumps({
-                        **job, "prompt_tokens": len(o.prompt_token_ids), "answers": sample.answers,
-                        "output": o.outputs[0].text, "score": score(sample.answers, o.outputs[0].text),
-                        "batch_seconds": round(seconds, 3), "batch_size": len(batch),
-                        "fast_tier_fraction": fig.get("fast_tier_fraction"),
-                        "host_pool_bytes": fig.get("host_pool_bytes"), "full_kv_bytes": fig.get("full_kv_bytes"),
-                        "spans": fig.get("spans"), "mean_zoomed_spans": fig.get("mean_zoomed_spans"),
-                    }) + "\n")
-                out.flush()
-                written += len(batch)
-                bar.update(len(batch))
+                figures = figures_by_request_id()
+            for job, sample, o in zip(batch, samples, outputs):
+                out.write(json.dumps(make_record(job, sample.answers, o.outputs[0].text, len(o.prompt_token_ids),
+                                                 seconds, len(batch), figures.get(o.request_id))) + "\n")
+            out.flush()
+            written += len(batch)
+            bar.update(len(batch))
     return {"written": written}
+
+
+def run_kvpress(grid: Grid, backend: str, jobs: list[dict], model: str, records: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from benchmarks.peers import kvpress_run
+
+    tok = AutoTokenizer.from_pretrained(model)
+    count = token_counter(tok)
+    items = []
+    for job in jobs:
+        sample = make_sample(job["task"], job["length"], job["depth"], job["seed"], count)
+        context, question = split_at_question(sample, tok)
+        items.append({"job": job, "context": context, "question": question, "answers": list(sample.answers)})
+    kvpress_run.run({"model": model, "press": backend.split(":", 1)[1], "max_tokens": grid.max_tokens,
+                     "records": str(records), "items": items})
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -99,12 +122,30 @@ def summarize(records: list[dict]) -> list[dict]:
     for r in records:
         cells[(r["backend"], r["budget"], r["task"], r["length"])].append(r)
     rows = []
-    for (backend, budget, task, length), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] == "sekv", -kv[0][1])):
+    for (backend, budget, task, length), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0] != "vllm", kv[0][0], -kv[0][1])):
         fractions = [r["fast_tier_fraction"] for r in rs if r["fast_tier_fraction"] is not None]
         rows.append({"backend": backend, "budget": budget, "task": task, "length": length, "samples": len(rs),
                      "accuracy": statistics.mean(r["score"] for r in rs),
-                     "fast_tier_fraction": statistics.mean(fractions) if fractions else (1.0 if backend == "vllm" else None)})
+                     "fast_tier_fraction": statistics.mean(fractions) if fractions else (1.0 if backend == "vllm" else None),
+                     "mean_seconds": statistics.mean(r["batch_seconds"] / (1 if r.get("via") == "server" else r["batch_size"]) for r in rs)})
     return rows
+
+
+def averages(rows: list[dict]) -> dict:
+    """Mean accuracy per (backend, budget) over the informative tasks' cells, and its ratio to full KV's."""
+    full = {(r["task"], r["length"]): r["accuracy"] for r in rows if r["backend"] == "vllm"}
+    tasks = sorted({r["task"] for r in rows})
+    excluded = [t for t in tasks if full and max((a for (task, _), a in full.items() if task == t), default=1.0) < INFORMATIVE_FLOOR]
+    out = []
+    for backend, budget in sorted({(r["backend"], r["budget"]) for r in rows}):
+        cells = [r for r in rows if (r["backend"], r["budget"]) == (backend, budget) and r["task"] not in excluded]
+        if not cells:
+            continue
+        acc = statistics.mean(r["accuracy"] for r in cells)
+        ref = [full[(r["task"], r["length"])] for r in cells if (r["task"], r["length"]) in full]
+        rel = acc / statistics.mean(ref) if ref and statistics.mean(ref) > 0 else None
+        out.append({"backend": backend, "budget": budget, "cells": len(cells), "accuracy": acc, "relative_to_full_kv": rel})
+    return {"floor": INFORMATIVE_FLOOR, "excluded_tasks": excluded, "rows": out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--budgets", nargs="+", type=float, default=None)
-    parser.add_argument("--backends", nargs="+", default=None)
+    parser.add_argument("--backends", nargs="+", default=None, help="vllm, sekv, kvpress:PRESS")
+    parser.add_argument("--via", default=None, help="offline (LLM.generate) or server (OpenAI HTTP)")
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight with --via server")
     parser.add_argument("--sekv-config", type=json.loads, default=None, help="JSON SeKVConfig fields")
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/suite-PROFILE")
@@ -126,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         grid = make_grid(args.profile, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
-                         budgets=args.budgets, backends=args.backends, sekv_config=args.sekv_config)
+                         budgets=args.budgets, backends=args.backends, sekv_config=args.sekv_config,
+                         via=args.via, concurrency=args.concurrency)
     except GridError as err:
         parser.error(str(err))
     from sekv_vllm.entrypoints.default_model import prepare_default_model
@@ -142,19 +186,27 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in pending_jobs(grid, load_records(records_path)) if j["backend"] == backend]
         if not jobs:
             continue
-        spec = {"model": model, "grid": grid.model_dump(), "backend": backend, "jobs": jobs,
-                "records": str(records_path)}
-        run_in_subprocess("benchmarks.suite.run", spec, stock=backend == "vllm", show_progress=True)
+        if backend.startswith("kvpress:"):
+            run_kvpress(grid, backend, jobs, model, records_path)
+        elif grid.via == "server":
+            from benchmarks.suite.server import run_server
+
+            run_server(grid, backend, jobs, model, records_path)
+        else:
+            spec = {"model": model, "grid": grid.model_dump(), "backend": backend, "jobs": jobs,
+                    "records": str(records_path)}
+            run_in_subprocess("benchmarks.suite.run", spec, stock=backend == "vllm", show_progress=True)
     records = [r for r in load_records(records_path) if job_key(r) in {job_key(j) for j in grid.jobs()}]
     rows = summarize(records)
     summary = {"command": "python -m benchmarks.suite.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                "grid": grid.model_dump(), "model": Path(model).name, "seconds_this_run": round(time.time() - start),
-               "rows": rows}
+               "rows": rows, "averages": averages(rows)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"{'task':<16}{'tokens':>7}{'backend':>9}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}")
+    print(f"{'task':<16}{'tokens':>7}{'backend':>28}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}{'s/sample':>10}")
     for r in rows:
         ft = "-" if r["fast_tier_fraction"] is None else f"{100 * r['fast_tier_fraction']:.1f}%"
-        print(f"{r['task']:<16}{r['length']:>7}{r['backend']:>9}{r['budget']:>8.3f}{r['samples']:>4}{r['accuracy']:>7.2f}{ft:>11}")
+        print(f"{r['task']:<16}{r['length']:>7}{r['backend']:>28}{r['budget']:>8.3f}{r['samples']:>4}"
+              f"{r['accuracy']:>7.2f}{ft:>11}{r['mean_seconds']:>10.2f}")
     print(f"records: {records_path}")
     return 0
 

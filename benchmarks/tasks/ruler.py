@@ -10,7 +10,9 @@ Families (after NVIDIA/RULER, Apache-2.0; the templates are restated, not copied
 Every sample is deterministic in (task, target_tokens, depth, seed). Its user message is grown
 unit by unit (essay sentences, noise lines, list words) and the unit count binary-searched so
 that the message is the shortest one reaching `target_tokens` with the model's tokenizer.
-Scoring is RULER's string_match_all: the share of expected strings found in the output.
+The message is `context` then `question`; as RULER does, some families start the assistant's
+turn with an answer prefix. Scoring is RULER's string_match_all: the share of expected strings
+found in the output.
 """
 from __future__ import annotations
 
@@ -32,8 +34,32 @@ class Sample:
     seed: int
     target_tokens: int
     depth: float
-    prompt: str  # the user message; the runner applies the chat template
+    context: str  # the long part: instructions and haystack
+    question: str
     answers: tuple[str, ...]
+    answer_prefix: str = ""  # the assistant turn starts with it (RULER's answer prefix)
+
+    @property
+    def prompt(self) -> str:
+        """The user message."""
+        return f"{self.context}\n\n{self.question}"
+
+
+def chat_prompt(sample: Sample, tokenizer) -> str:
+    """The full prompt text: chat template (BOS as the template has it) plus the answer prefix."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text + sample.answer_prefix
+
+
+def split_at_question(sample: Sample, tokenizer) -> tuple[str, str]:
+    """chat_prompt split where the question starts: (context part, question part).
+
+    Peers that compress only the context (kvpress) get the same text, cut here.
+    """
+    text = chat_prompt(sample, tokenizer)
+    cut = text.rindex("\n\n" + sample.question)
+    return text[:cut], text[cut:]
 
 
 @lru_cache(maxsize=1)
@@ -81,7 +107,7 @@ def _spots(n: int, count: int, depth: float, seed: int) -> list[int]:
     return [first] + sorted(rng.randint(first, n) for _ in range(count - 1))
 
 
-# -- families: each returns render(n_units) -> (message, answers) ------------------------------
+# -- families: each returns render(n_units) -> (context, question, answers, answer_prefix) --
 def _niah(num_keys: int, num_values: int, num_queries: int):
     def family(rng: random.Random, depth: float):
         keys = [_key(rng) for _ in range(num_keys)]
@@ -100,12 +126,12 @@ def _niah(num_keys: int, num_values: int, num_queries: int):
         first = next(i for i, n in enumerate(needles) if queried[0] in n)
         needles.insert(0, needles.pop(first))
 
-        def render(n: int) -> tuple[str, tuple[str, ...]]:
+        def render(n: int):
             body = " ".join(_place(units(n), needles, _spots(n, len(needles), depth, len(needles))))
             return (
                 "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
-                f"I will quiz you about the numbers afterwards.\n\n{body}\n\n{question}",
-                answers,
+                f"I will quiz you about the numbers afterwards.\n\n{body}",
+                question, answers, "",
             )
 
         return render
@@ -115,9 +141,12 @@ def _niah(num_keys: int, num_values: int, num_queries: int):
 
 def _single(task: str):
     """One needle in essay text, asked for directly: the project's first benchmark tasks."""
-    question = {
-        "needle": "What is the special magic number mentioned in the text above? Answer with the number only.",
-        "passkey": "What is the pass key? The pass key is",
+    question, intro = {
+        "needle": ("What is the special magic number mentioned in the text above? Answer with the number only.",
+                   "Read the text below and answer the question."),
+        "passkey": ("What is the pass key? Answer with the number only.",
+                    "There is an important piece of information hidden inside a lot of irrelevant text. "
+                    "Find it and memorize it. I will quiz you about it afterwards."),
     }[task]
 
     def family(rng: random.Random, depth: float):
@@ -128,7 +157,7 @@ def _single(task: str):
 
         def render(n: int):
             body = " ".join(_place(units(n), [needle], [round(depth * n)]))
-            return f"Read the text below and answer the question.\n\n{body}\n\n{question}", (value,)
+            return f"{intro}\n\n{body}", question, (value,), ""
 
         return render
 
@@ -146,7 +175,10 @@ def _vt(rng: random.Random, depth: float, hops: int = 4):
     def render(n: int):
         text = "\n".join(_place([_NOISE] * n, chain, _spots(n, len(chain), depth, hops)))
         question = f"Find all variables that are assigned the value {value} in the text above."
-        return f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{text}\n\n{question}", tuple(names)
+        prefix = (f"According to the chain of variable assignment in the text above, {hops + 1} variables are "
+                  f"assigned the value {value}. They are:")
+        return (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{text}",
+                question, tuple(names), prefix)
 
     return render
 
@@ -162,7 +194,8 @@ def _cwe(rng: random.Random, depth: float, common: int = 10, freq_common: int = 
         random.Random(n).shuffle(lst)
         numbered = " ".join(f"{i + 1}. {w}" for i, w in enumerate(lst))
         question = f"What are the {common} most common words in the list above?"
-        return f"Below is a numbered list of words. Memorize the ones that appear most often.\n\n{numbered}\n\n{question}", tuple(common_words)
+        return (f"Below is a numbered list of words. Memorize the ones that appear most often.\n\n{numbered}",
+                question, tuple(common_words), f"The {common} words that appear most often in the list are:")
 
     return render
 
@@ -180,7 +213,8 @@ def _fwe(rng: random.Random, depth: float, alpha: float = 2.0, top: int = 3):
         text = [w for w, c in zip(vocab, counts) for _ in range(c)]
         random.Random(n).shuffle(text)
         question = f"What are the {top} most frequently appearing coded words in the text above?"
-        return f"Read the following coded text and track the frequency of each coded word.\n\n{' '.join(text)}\n\n{question}", tuple(vocab[:top])
+        return (f"Read the following coded text and track the frequency of each coded word.\n\n{' '.join(text)}",
+                question, tuple(vocab[:top]), f"The {top} most frequently appearing coded words are:")
 
     return render
 
@@ -205,18 +239,20 @@ def make_sample(task: str, target_tokens: int, depth: float, seed: int, count_to
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth: {depth} is outside [0, 1]")
     render = FAMILIES[task](random.Random(f"{task}:{target_tokens}:{depth}:{seed}"), depth)
+    def sample(n: int) -> Sample:
+        return Sample(task, seed, target_tokens, depth, *render(n))
+
     hi = 16
-    while count_tokens(render(hi)[0]) < target_tokens:
+    while count_tokens(sample(hi).prompt) < target_tokens:
         hi *= 2
     lo = 0
     while lo < hi:  # fewest units that reach the target
         mid = (lo + hi) // 2
-        if count_tokens(render(mid)[0]) >= target_tokens:
+        if count_tokens(sample(mid).prompt) >= target_tokens:
             hi = mid
         else:
             lo = mid + 1
-    message, answers = render(lo)
-    return Sample(task, seed, target_tokens, depth, message, answers)
+    return sample(lo)
 
 
 def score(answers: tuple[str, ...], output: str) -> float:

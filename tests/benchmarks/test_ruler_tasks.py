@@ -1,17 +1,21 @@
 """The task generator: deterministic, shortest message reaching the target, RULER scoring."""
 import pytest
 
-from benchmarks.tasks.ruler import FAMILIES, make_sample, score
+from benchmarks.tasks.ruler import FAMILIES, chat_prompt, make_sample, score, split_at_question
 
 
 @pytest.fixture(scope="module")
-def count_tokens():
+def tokenizer():
     from transformers import AutoTokenizer
 
     from sekv_vllm.entrypoints.default_model import default_model_dir
 
-    tok = AutoTokenizer.from_pretrained(default_model_dir())
-    return lambda text: len(tok(text, add_special_tokens=False).input_ids)
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def count_tokens(tokenizer):
+    return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @pytest.mark.parametrize("task", sorted(FAMILIES))
@@ -57,3 +61,15 @@ def test_bad_task_or_depth_is_refused(count_tokens):
         make_sample("nedle", 1000, 0.5, 0, count_tokens)
     with pytest.raises(ValueError, match=r"depth: 1.5 is outside \[0, 1\]"):
         make_sample("needle", 1000, 1.5, 0, count_tokens)
+
+
+@pytest.mark.parametrize("task", sorted(FAMILIES))
+def test_chat_prompt_and_the_peer_split_carry_the_same_text(task, tokenizer, count_tokens):
+    s = make_sample(task, 1000, 0.5, 3, count_tokens)
+    text = chat_prompt(s, tokenizer)
+    assert text.startswith("<|im_start|>") and s.prompt in text  # chat template applied, BOS as it has it
+    assert text.endswith(s.answer_prefix)
+    context, question = split_at_question(s, tokenizer)
+    assert context + question == text
+    assert question.startswith("\n\n" + s.question) and s.context in context
+    assert all(a not in question for a in s.answers)  # the answers are in the context part only

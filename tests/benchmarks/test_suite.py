@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from benchmarks.suite.grid import EVAL_SEED_BASE, GridError, job_key, make_grid
-from benchmarks.suite.run import load_records, pending_jobs
+from benchmarks.suite.report import table
+from benchmarks.suite.run import averages, load_records, pending_jobs, summarize
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -14,7 +15,9 @@ from benchmarks.suite.run import load_records, pending_jobs
     ({"budgets": [0.0, 0.5]}, "budgets: Value error, budgets [0.0] are outside (0, 1]"),
     ({"lengths": [50]}, "lengths: Value error, lengths [50] are outside [128, 32768]"),
     ({"samples": 0}, "samples: Input should be greater than or equal to 1"),
-    ({"backends": ["sglang"]}, "backends.0: Input should be 'vllm' or 'sekv'"),
+    ({"backends": ["sglang"]}, "backends: Value error, unknown backend(s) ['sglang']; allowed: ['vllm', 'sekv', 'kvpress:snapkv'"),
+    ({"via": "grpc"}, "via: Input should be 'offline' or 'server'"),
+    ({"concurrency": 0}, "concurrency: Input should be greater than or equal to 1"),
 ])
 def test_bad_grid_is_refused_naming_the_field(overrides, message):
     with pytest.raises(GridError) as err:
@@ -31,6 +34,8 @@ def test_jobs_cover_the_grid_with_evaluation_seeds():
     grid = make_grid(tasks=["needle", "vt"], lengths=[1000, 2000], samples=3, budgets=[0.5, 0.25])
     jobs = grid.jobs()
     assert len(jobs) == 2 * 2 * 3 * (1 + 2)  # tasks x lengths x samples x (full KV + 2 budgets)
+    peers = make_grid(tasks=["needle"], lengths=[1000], samples=2, budgets=[0.25], backends=["vllm", "kvpress:snapkv"])
+    assert [(j["backend"], j["budget"]) for j in peers.jobs()] == [("vllm", 1.0)] * 2 + [("kvpress:snapkv", 0.25)] * 2
     assert len({job_key(j) for j in jobs}) == len(jobs)
     assert min(j["seed"] for j in jobs) >= EVAL_SEED_BASE
 
@@ -68,3 +73,60 @@ def test_ci_profile_end_to_end_and_resume(tmp_path):
     assert run().returncode == 0
     again = load_records(tmp_path / "records.jsonl")
     assert sorted(map(job_key, again)) == sorted(map(job_key, grid.jobs()))
+
+
+def _record(backend, budget, task, length, score, seed=0, fraction=None):
+    return {"backend": backend, "budget": budget, "task": task, "length": length, "seed": seed, "score": score,
+            "fast_tier_fraction": fraction, "batch_seconds": 2.0, "batch_size": 2}
+
+
+def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
+    records = [
+        _record("vllm", 1.0, "needle", 1000, 1.0), _record("vllm", 1.0, "needle", 2000, 0.5),
+        _record("vllm", 1.0, "vt", 1000, 0.0), _record("vllm", 1.0, "vt", 2000, 0.1),
+        _record("sekv", 0.25, "needle", 1000, 0.5, fraction=0.25), _record("sekv", 0.25, "needle", 2000, 0.25, fraction=0.25),
+        _record("sekv", 0.25, "vt", 1000, 1.0, fraction=0.25), _record("sekv", 0.25, "vt", 2000, 1.0, fraction=0.25),
+        _record("kvpress:snapkv", 0.25, "needle", 1000, 0.0, fraction=0.27),
+    ]
+    rows = summarize(records)
+    avg = averages(rows)
+    assert avg["excluded_tasks"] == ["vt"]  # full KV never reaches the floor on vt
+    by = {(a["backend"], a["budget"]): a for a in avg["rows"]}
+    assert by[("sekv", 0.25)]["accuracy"] == pytest.approx(0.375)
+    assert by[("sekv", 0.25)]["relative_to_full_kv"] == pytest.approx(0.375 / 0.75)
+    assert by[("kvpress:snapkv", 0.25)]["relative_to_full_kv"] == 0.0
+    text = table({"command": "x", "grid": {"samples": 1}, "model": "m", "seconds_this_run": 1,
+                  "rows": rows, "averages": avg}, "s.json")
+    assert "| task | tokens | full KV | sekv 0.25 | snapkv 0.25 |" in text
+    assert "| needle | ~1000 | 1.00 | 0.50 | 0.00 |" in text
+    assert "Kept out of the averages" in text and "vt" in text.splitlines()[-1]
+
+
+@pytest.mark.vllm
+def test_ci_profile_through_the_openai_server_with_concurrency(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite.run", "--profile", "ci", "--via", "server",
+                           "--concurrency", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = load_records(tmp_path / "records.jsonl")
+    assert sorted(map(job_key, records)) == sorted(map(job_key, make_grid("ci").jobs()))
+    assert all(r["via"] == "server" and r["batch_size"] == 2 for r in records)
+    assert sum(r["score"] for r in records if r["backend"] == "vllm") >= 1  # full KV finds 1K needles
+    sekv = [r for r in records if r["backend"] == "sekv"]
+    assert all(r["fast_tier_fraction"] is not None and r["fast_tier_fraction"] <= 0.55 for r in sekv)
+
+
+@pytest.mark.kvpress
+def test_kvpress_peer_on_the_same_samples(tmp_path):
+    """kvpress in its own venv: nothing pressed finds the needles; a 0.5 press keeps half the KV."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite.run", "--backends", "kvpress:snapkv",
+                           "--tasks", "needle", "--lengths", "1000", "--samples", "2", "--budgets", "1.0", "0.5",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = load_records(tmp_path / "records.jsonl")
+    assert len(records) == 4
+    full = [r for r in records if r["budget"] == 1.0]
+    assert all(r["score"] == 1.0 and r["fast_tier_fraction"] == 1.0 for r in full)
+    half = [r for r in records if r["budget"] == 0.5]
+    assert all(0.45 < r["fast_tier_fraction"] < 0.6 for r in half)
+    ci = make_grid("ci").jobs()
+    assert {(r["seed"], r["depth"]) for r in full} == {(j["seed"], j["depth"]) for j in ci if j["backend"] == "vllm"}

@@ -9,6 +9,7 @@ import pytest
 from sekv_vllm.entrypoints.default_model import default_model_dir
 
 JOB = Path(__file__).with_name("llm_job.py")
+PAGES_JOB = Path(__file__).with_name("pages_job.py")
 
 
 @pytest.fixture(scope="session")
@@ -31,11 +32,11 @@ def count_tokens(tokenizer):
     return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def run_job(spec: dict, tmp_path: Path, timeout: int = 900) -> dict:
-    """Run llm_job.py on `spec` in a fresh process; returns its RESULT."""
+def run_job(spec: dict, tmp_path: Path, timeout: int = 900, job: Path = JOB) -> dict:
+    """Run `job` (llm_job.py unless told) on `spec` in a fresh process; returns its RESULT."""
     path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(JOB), str(path)], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(job), str(path)], capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"llm job failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")

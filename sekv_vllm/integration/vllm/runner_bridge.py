@@ -4,7 +4,8 @@ Around each `execute_model` of a runner whose config carries `sekv`:
   before: release finished and preempted requests (both tiers), admit new ones;
   after:  surprisal of the prompt tokens prefilled this step, from the model's own logits
           over them (s_t = -log p(x_t | x_<t)), and compression of every request whose
-          prompt is now complete, read back from vLLM's pages.
+          prompt is now complete; its prompt pages are then handed back to vLLM's pool
+          (kv_pages.py) but for the fast tier's share.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sekv_vllm.config import SeKVConfig
+from sekv_vllm.integration.vllm import kv_pages
 from sekv_vllm.runtime import SeKVRuntime, Status
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class RunnerBridge:
             name: layer for name, layer in forward_context.items() if hasattr(layer, "impl") and hasattr(layer, "kv_cache")
         }
         self.runtime = SeKVRuntime(config, list(self.layers))
+        kv_pages.on_request_freed(self._on_pages_freed)
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0
 
@@ -84,6 +87,9 @@ class RunnerBridge:
         return any(self.runtime.is_active(r) for r in self.runtime.requests)
 
     # -- internals ---------------------------------------------------------------------------
+    def _on_pages_freed(self, req_id: str) -> None:
+        if self.runtime.get(req_id) is not None:
+            self.runtime.release(req_id, outcome="ended")
     def _record_surprisal(
         self, req_id: str, prompt: list[int], hidden: torch.Tensor, row0: int, start: int, n: int
     ) -> None:
@@ -103,11 +109,21 @@ class RunnerBridge:
 
     def _compress(self, req_id: str) -> None:
         mem = self.runtime.compress(req_id)
-        if mem.status is Status.COMPRESSED:
-            kv_cache = next(iter(self.layers.values())).kv_cache
-            # Pages are not returned to vLLM's pool yet: say what it still holds.
-            block_bytes = kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
-            mem.figures["vllm_pages_held_bytes"] = math.ceil(mem.prompt_len / kv_cache.shape[2]) * block_bytes
+        if mem.status is not Status.COMPRESSED:
+            return
+        kv_cache = next(iter(self.layers.values())).kv_cache
+        block_bytes = kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
+        block_size = self.runner.cache_config.block_size
+        prompt_pages = math.ceil(mem.prompt_len / block_size)
+        held = prompt_pages
+        if self.runtime.config.return_pages:
+            # Keep as many leading pages as the fast tier needs (the pool accounts for it) and
+            # the last, partly filled prompt page; the manager returns the rest.
+            keep = min(math.ceil(mem.figures["fast_tier_bytes"] / block_bytes), mem.prompt_len // block_size)
+            kv_pages.plan_release(req_id, keep, mem.prompt_len)
+            held = keep + (prompt_pages - mem.prompt_len // block_size)
+        mem.figures["vllm_pages_held_bytes"] = held * block_bytes
+        mem.figures["vllm_pages_returned_bytes"] = (prompt_pages - held) * block_bytes
 
 
 def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":

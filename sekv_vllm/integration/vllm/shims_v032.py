@@ -7,6 +7,8 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
 3. `EngineArgs.create_engine_config`: validates the sekv settings once, at start-up, and
    applies what they imply (prefix caching off: compressed requests share no pages yet).
 4. `GPUModelRunner.execute_model` (the CPU runner inherits it): the runner bridge's step hooks.
+5. `GPUModelRunner.get_kv_cache_spec`: sekv's layers get SeKVAttentionSpec, whose manager
+   returns a compressed request's prompt pages to the pool (kv_pages.py).
 """
 from __future__ import annotations
 
@@ -132,7 +134,19 @@ def _install_runner_hook() -> None:
 
         return execute_model
 
+    def make_get_kv_cache_spec(original):
+        def get_kv_cache_spec(self, *args, **kwargs):
+            specs = original(self, *args, **kwargs)
+            if SeKVConfig.from_additional_config(self.vllm_config.additional_config) is None:
+                return specs
+            from sekv_vllm.integration.vllm.kv_pages import sekv_spec
+
+            return {name: sekv_spec(spec, self.vllm_config) for name, spec in specs.items()}
+
+        return get_kv_cache_spec
+
     _wrap(GPUModelRunner, "execute_model", make_execute_model)
+    _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
 
 
 def install() -> None:

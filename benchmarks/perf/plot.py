@@ -1,0 +1,69 @@
+"""Plots from a perf results file: memory vs context length, decode throughput vs batch.
+
+    python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+MIB = 2**20
+
+
+def plot(result: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    n = [r["length"] for r in rows]
+    title = f"{result['model']}: {result['command'].strip()}"
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(n, [r["vllm"]["fast_tier_bytes"] / MIB for r in rows], "o-", label="stock vLLM: full KV")
+    left.plot(n, [r["sekv"]["fast_tier_bytes"] / MIB for r in rows], "o-", label=f"sekv fast tier (budget {result['budget_ratio']})")
+    left.plot(n, [r["sekv"]["host_pool_bytes"] / MIB for r in rows], "o--", label="sekv host pool (span bases)")
+    left.plot(n, [r["sekv"]["vllm_pages_held_bytes"] / MIB for r in rows], "x:", color="C3",
+              label="sekv: vLLM pages still held")
+    left.set_xlabel("prompt tokens")
+    left.set_ylabel("MiB per request")
+    left.legend(fontsize=8)
+    right.plot(n, [r["vllm"]["peak_rss_bytes"] / MIB / 1024 for r in rows], "o-", label="stock vLLM")
+    right.plot(n, [r["sekv"]["peak_rss_bytes"] / MIB / 1024 for r in rows], "o-", label="sekv")
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("peak process RSS (GiB)")
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    memory = folder / "perf_memory.png"
+    fig.savefig(memory, dpi=110)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, r in enumerate(rows):
+        for backend, style in (("vllm", "o-"), ("sekv", "s--")):
+            runs = r[backend]["runs"]
+            ax.plot([x["batch"] for x in runs], [x["decode_tok_per_s"] for x in runs], style, color=f"C{i}",
+                    label=f"{'stock' if backend == 'vllm' else 'sekv'} ~{r['length']}")
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    throughput = folder / "perf_throughput.png"
+    fig.savefig(throughput, dpi=110)
+    return [memory, throughput]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
+    args = parser.parse_args()
+    for path in plot(json.loads(args.results.read_text()), args.results.parent):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Markdown table from a perf results file, into the README (`perf-results` block).
+
+    python -m benchmarks.perf.report      # README.md <- benchmarks/results/perf_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.readme import write_block
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 2**20
+
+
+def _decode(res: dict, batch: int | None) -> str:
+    run = next((r for r in res["runs"] if (r["is_pool_max"] if batch is None else r["batch"] == batch)), None)
+    if run is None:
+        return "over pool"
+    return f"{run['decode_tok_per_s']:.1f}" + (f" (b{run['batch']})" if batch is None else "")
+
+
+def table(result: dict, source: str) -> str:
+    head = ["tokens", "backend", "max batch in pool", "prefill b1 (s)", "decode tok/s b1", "decode tok/s b8",
+            "decode tok/s at max batch", "fast tier / request", "host pool / request", "peak RSS"]
+    lines = [
+        f"Command: `{result['command'].strip()}` ({result['model']}, {result['cores']} cores, KV pool "
+        f"`VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']}` for both, sekv budget_ratio "
+        f"{result['budget_ratio']}, {result['decode_tokens']} decode tokens per request). Source: `{source}`.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+    ]
+    for row in result["rows"]:
+        for backend in ("vllm", "sekv"):
+            res = row[backend]
+            b1 = next(r for r in res["runs"] if r["batch"] == 1)
+            lines.append(
+                f"| ~{row['length']} | {'stock vLLM' if backend == 'vllm' else 'sekv'} | {res['max_batch']} | "
+                f"{b1['prefill_s']:.2f} | {_decode(res, 1)} | {_decode(res, 8)} | {_decode(res, None)} | "
+                f"{res['fast_tier_bytes'] / MIB:.1f} MiB | {res['host_pool_bytes'] / MIB:.1f} MiB | "
+                f"{res['peak_rss_bytes'] / MIB / 1024:.2f} GiB |")
+        r = row["ratio_sekv_to_stock"]
+        at_max = next((v for k, v in r.items() if k.startswith("decode_tok_per_s_b") and
+                       k == f"decode_tok_per_s_b{row['sekv']['max_batch']}"), None)
+        lines.append(
+            f"| | **sekv / stock** | {r['max_batch']:.2f}x | {r['prefill_b1']:.2f}x | {r['decode_tok_per_s_b1']:.2f}x | "
+            f"{r.get('decode_tok_per_s_b8', float('nan')):.2f}x | {'-' if at_max is None else f'{at_max:.2f}x'} | "
+            f"{r['fast_tier_bytes']:.3f}x | | {r['peak_rss']:.2f}x |")
+    return "\n".join(lines).replace("nanx", "-")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "perf_cpu.json")
+    args = parser.parse_args()
+    print(write_block("perf-results", table(json.loads(args.results.read_text()), str(args.results.relative_to(ROOT)))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""One suite record per sample, the same fields for every backend."""
+from __future__ import annotations
+
+from benchmarks.tasks.ruler import score
+
+
+def make_record(job: dict, answers, output: str, prompt_tokens: int, seconds: float, batch_size: int,
+                figures: dict | None = None, via: str = "offline") -> dict:
+    """job: a Grid.jobs() cell; seconds: the wall time of the sample's batch offline, of its own
+    request through the server (batch_size is then the concurrency)."""
+    fig = figures or {}
+    return {
+        **job, "via": via, "prompt_tokens": prompt_tokens, "answers": list(answers), "output": output,
+        "score": score(tuple(answers), output), "batch_seconds": round(seconds, 3), "batch_size": batch_size,
+        "fast_tier_fraction": fig.get("fast_tier_fraction"), "fast_tier_bytes": fig.get("fast_tier_bytes"),
+        "host_pool_bytes": fig.get("host_pool_bytes"), "full_kv_bytes": fig.get("full_kv_bytes"),
+        "spans": fig.get("spans"), "mean_zoomed_spans": fig.get("mean_zoomed_spans"),
+    }

@@ -1,0 +1,84 @@
+"""Steps one vLLM engine by hand and reports what its block pool did; tests run it in a subprocess.
+
+    python pages_job.py SPEC.json  ->  RESULT {"outputs": [...], "trace": [...], ...}
+SPEC: {"model": str, "sekv": {...} | null (stock vLLM, plugins off), "num_blocks": int | null,
+       "prompts": [[token ids]], "max_tokens": int, "abort": {"after_step": int, "indices": [int]}}
+
+Per step the trace records, per live request, the pages it holds (null pages excluded) and
+whether it is running with output; the result adds the pool's free pages at start and end,
+preemptions, block ids held after compression, and what sekv's runtime still holds at the end.
+"""
+import json
+import os
+import sys
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    if spec.get("sekv") is None:
+        os.environ["VLLM_PLUGINS"] = "none-stock-vllm"
+    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"additional_config": {"sekv": spec["sekv"]}} if spec.get("sekv") is not None else {}
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
+    llm = LLM(spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 4600),
+              enable_prefix_caching=False, **kwargs)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    preemptions = []
+    original_preempt = scheduler._preempt_request
+
+    def count_preempt(request, *args, **kwargs):
+        preemptions.append(request.request_id)
+        return original_preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = count_preempt
+    free_at_start = pool.get_num_free_blocks()
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(spec["prompts"]))]
+    for rid, prompt in zip(ids, spec["prompts"]):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    abort = spec.get("abort") or {}
+    outputs: dict[str, list[int]] = {}
+    trace, block_ids_seen = [], {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        if abort and step == abort["after_step"]:
+            engine.abort_request([ids[i] for i in abort["indices"]])
+        held = {}
+        for engine_id, blocks in manager.req_to_blocks.items():
+            live = [b.block_id for b in blocks if b is not manager._null_block]
+            held[engine_id] = len(live)
+            block_ids_seen.setdefault(engine_id, set()).update(live)
+        running = [r.request_id for r in scheduler.running if r.num_output_tokens > 0]
+        trace.append({"held": held, "running_with_output": len(running), "free": pool.get_num_free_blocks()})
+    result = {
+        "outputs": [outputs.get(rid) for rid in ids],
+        "trace": trace,
+        "free_at_start": free_at_start,
+        "free_at_end": pool.get_num_free_blocks(),
+        "block_size": manager.block_size,
+        "preemptions": len(preemptions),
+        "block_ids": {k: sorted(v) for k, v in block_ids_seen.items()},
+    }
+    if spec.get("sekv") is not None:
+        from sekv_vllm.integration.vllm.runner_bridge import current_bridge, request_figures
+
+        runtime = current_bridge().runtime
+        result["figures"] = request_figures()
+        result["runtime_requests_left"] = len(runtime.requests)
+        result["host_pool_used_bytes"] = runtime.pool.used_bytes
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Compressed requests hand their prompt pages back to vLLM's block pool (kv_pages.py)."""
+import math
+
+import pytest
+
+from tests.integration.conftest import PAGES_JOB, run_job
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def essay_ids(tokenizer):
+    from benchmarks.perf.run import essay_prompts
+
+    return lambda n_tokens, count: essay_prompts(tokenizer, n_tokens, count)
+
+
+def pages(spec: dict, tmp_path) -> dict:
+    return run_job(spec, tmp_path, job=PAGES_JOB)
+
+
+def test_page_count_drops_to_the_fast_tier_share_after_compression(model_dir, essay_ids, tmp_path):
+    prompt = essay_ids(2000, 1)
+    r = pages({"model": model_dir, "sekv": {"budget_ratio": 0.125}, "prompts": prompt, "max_tokens": 8,
+               "max_model_len": 2200}, tmp_path)
+    fig = r["figures"][0]
+    bs, n = r["block_size"], fig["prompt_tokens"]
+    block_bytes = fig["full_kv_bytes"] // n * bs
+    keep = math.ceil(fig["fast_tier_bytes"] / block_bytes)
+    tail = math.ceil(n / bs) - n // bs  # the last, partly filled prompt page
+    held = [next(iter(t["held"].values())) for t in r["trace"] if t["held"]]
+    assert held[0] == math.ceil(n / bs)  # prefill: every prompt page
+    after = held[1:]
+    assert after and min(after) == keep + tail  # compressed: the fast tier's pages and the tail
+    assert max(after) <= keep + math.ceil((n + 8) / bs) - n // bs  # generated tokens may open one more
+    assert fig["vllm_pages_held_bytes"] == (keep + tail) * block_bytes
+    assert fig["vllm_pages_returned_bytes"] == (math.ceil(n / bs) - keep - tail) * block_bytes
+    assert keep < n // bs // 4  # 12.5% budget: most of the prompt's pages go back
+    assert r["free_at_end"] == r["free_at_start"]
+    assert "returned" in r["stderr"] and "pages to vLLM's pool" in r["stderr"]
+
+
+def test_returned_pages_admit_more_requests_and_outputs_do_not_change(model_dir, essay_ids, tmp_path):
+    prompts = essay_ids(2000, 6)
+    spec = {"model": model_dir, "prompts": prompts, "max_tokens": 32, "max_model_len": 2200}
+    pool = 36  # pages of 128 tokens: two 2K requests at full KV
+    stock = pages({**spec, "sekv": None, "num_blocks": pool}, tmp_path)
+    small = pages({**spec, "sekv": {"budget_ratio": 0.125}, "num_blocks": pool}, tmp_path)
+    large = pages({**spec, "sekv": {"budget_ratio": 0.125}}, tmp_path)
+    full_pages = math.ceil(2001 / stock["block_size"])
+    stock_max = max(t["running_with_output"] for t in stock["trace"])
+    sekv_max = max(t["running_with_output"] for t in small["trace"])
+    assert stock_max * full_pages <= pool and stock_max <= 2
+    assert sekv_max >= 4 and sekv_max * full_pages > pool  # freed pages were reused while they ran
+    assert small["outputs"] == large["outputs"]  # reuse of returned pages changes nothing
+    assert small["preemptions"] == 0 and small["free_at_end"] == small["free_at_start"]
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_ids, tmp_path):
+    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256},
+            "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1200}
+    tiny = pages({**spec, "num_blocks": 12}, tmp_path)  # three compressed requests outgrow 11 pages
+    roomy = pages(spec, tmp_path)
+    assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
+    assert tiny["outputs"] == roomy["outputs"]
+    assert tiny["runtime_requests_left"] == 0 and tiny["host_pool_used_bytes"] == 0
+
+
+def test_aborted_and_finished_requests_free_both_tiers(model_dir, essay_ids, tmp_path):
+    prompts = essay_ids(700, 12)
+    r = pages({"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256}, "prompts": prompts,
+               "max_tokens": 16, "max_model_len": 1000, "abort": {"after_step": 3, "indices": [0, 3, 6, 9, 10, 11]}},
+              tmp_path)
+    assert r["free_at_end"] == r["free_at_start"]  # every page back in the pool
+    assert r["runtime_requests_left"] == 0 and r["host_pool_used_bytes"] == 0  # and every host-pool byte
+    done = [o for i, o in enumerate(r["outputs"]) if i not in (0, 3, 6, 9, 10, 11)]
+    assert all(o is not None and len(o) == 16 for o in done)
+    assert len(r["figures"]) >= 6  # the finished ones were compressed and released with figures
