@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  fast tier needed: {fig['fast_tier_bytes'] / 2**20:.2f} MiB = {fig['fast_tier_fraction']:.1%} of full KV "
               f"({fig['full_kv_bytes'] / 2**20:.2f} MiB)")
         print(f"  host pool (span bases): {fig['host_pool_bytes'] / 2**20:.2f} MiB")
-        print(f"  vLLM pages still held (not returned to the pool yet): {fig['vllm_pages_held_bytes'] / 2**20:.2f} MiB")
+        print(f"  vLLM pages kept: {fig['vllm_pages_held_bytes'] / 2**20:.2f} MiB; "
+              f"returned to vLLM's pool: {fig['vllm_pages_returned_bytes'] / 2**20:.2f} MiB")
         print(f"  mean spans zoomed per layer and step: {fig['mean_zoomed_spans']:.1f} of {fig['spans']}")
     return 0
 

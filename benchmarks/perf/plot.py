@@ -1,6 +1,7 @@
-"""Plots from a perf results file: memory vs context length, decode throughput vs batch.
+"""Plots from the perf results: memory vs context length, decode throughput vs batch, and
+requests running at once in one KV pool over time (capacity).
 
-    python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png
+    python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png
 """
 from __future__ import annotations
 
@@ -57,11 +58,36 @@ def plot(result: dict, folder: Path) -> list[Path]:
     return [memory, throughput]
 
 
+def plot_capacity(result: dict, folder: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for backend, label in (("vllm", "stock vLLM"), ("sekv", f"sekv (budget {result['budget_ratio']})")):
+        t, running = zip(*result[backend]["timeline"])
+        ax.step(t, running, where="post", label=f"{label}: at most {result[backend]['max_concurrent']}")
+    ax.set_xlabel("seconds since all requests were submitted")
+    ax.set_ylabel("requests decoding at once")
+    ax.set_title(f"{result[backend]['requests']} requests of ~{result['length']} tokens, one pool of "
+                 f"{result['kv_cache_space_gib']} GiB: concurrency_ratio {result['concurrency_ratio']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = folder / "capacity.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
+    parser.add_argument("--capacity", type=Path, default=RESULTS / "capacity_cpu.json")
     args = parser.parse_args()
-    for path in plot(json.loads(args.results.read_text()), args.results.parent):
+    paths = plot(json.loads(args.results.read_text()), args.results.parent)
+    if args.capacity.exists():
+        paths.append(plot_capacity(json.loads(args.capacity.read_text()), args.capacity.parent))
+    for path in paths:
         print(f"wrote {path}")
 
 

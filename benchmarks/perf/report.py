@@ -1,6 +1,6 @@
-"""Markdown table from a perf results file, into the README (`perf-results` block).
+"""Markdown tables from the perf results, into the README (`perf-results`, `capacity-results`).
 
-    python -m benchmarks.perf.report      # README.md <- benchmarks/results/perf_cpu.json
+    python -m benchmarks.perf.report      # README.md <- benchmarks/results/perf_cpu.json, capacity_cpu.json
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def _decode(res: dict, batch: int | None) -> str:
 
 
 def table(result: dict, source: str) -> str:
-    head = ["tokens", "backend", "max batch in pool", "prefill b1 (s)", "decode tok/s b1", "decode tok/s b8",
-            "decode tok/s at max batch", "fast tier / request", "host pool / request", "peak RSS"]
+    head = ["tokens", "backend", "full-KV batch limit of the pool", "prefill b1 (s)", "decode tok/s b1", "decode tok/s b8",
+            "decode tok/s at that limit", "fast tier / request", "vLLM pages held / request", "host pool / request",
+            "peak RSS"]
     lines = [
         f"Command: `{result['command'].strip()}` ({result['model']}, {result['cores']} cores, KV pool "
         f"`VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']}` for both, sekv budget_ratio "
@@ -39,23 +40,50 @@ def table(result: dict, source: str) -> str:
             lines.append(
                 f"| ~{row['length']} | {'stock vLLM' if backend == 'vllm' else 'sekv'} | {res['max_batch']} | "
                 f"{b1['prefill_s']:.2f} | {_decode(res, 1)} | {_decode(res, 8)} | {_decode(res, None)} | "
-                f"{res['fast_tier_bytes'] / MIB:.1f} MiB | {res['host_pool_bytes'] / MIB:.1f} MiB | "
+                f"{res['fast_tier_bytes'] / MIB:.1f} MiB | {res['vllm_pages_held_bytes'] / MIB:.1f} MiB | "
+                f"{res['host_pool_bytes'] / MIB:.1f} MiB | "
                 f"{res['peak_rss_bytes'] / MIB / 1024:.2f} GiB |")
         r = row["ratio_sekv_to_stock"]
         at_max = next((v for k, v in r.items() if k.startswith("decode_tok_per_s_b") and
                        k == f"decode_tok_per_s_b{row['sekv']['max_batch']}"), None)
         lines.append(
-            f"| | **sekv / stock** | {r['max_batch']:.2f}x | {r['prefill_b1']:.2f}x | {r['decode_tok_per_s_b1']:.2f}x | "
+            f"| | **sekv / stock** | | {r['prefill_b1']:.2f}x | {r['decode_tok_per_s_b1']:.2f}x | "
             f"{r.get('decode_tok_per_s_b8', float('nan')):.2f}x | {'-' if at_max is None else f'{at_max:.2f}x'} | "
-            f"{r['fast_tier_bytes']:.3f}x | | {r['peak_rss']:.2f}x |")
+            f"{r['fast_tier_bytes']:.3f}x | {r['vllm_pages_held']:.3f}x | | {r['peak_rss']:.2f}x |")
+    return "\n".join(lines).replace("nanx", "-")
+
+
+def capacity_table(result: dict, source: str) -> str:
+    s, v = result["sekv"], result["vllm"]
+
+    def rate(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = [
+        f"Command: `{result['command'].strip()}` ({result['model']}, {result['cores']} cores, "
+        f"{v['requests']} requests of ~{result['length']} tokens submitted at once, {result['decode_tokens']} decode "
+        f"tokens each, one pool of `VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']}` GiB = {v['pool_blocks']} "
+        f"pages for both, sekv budget_ratio {result['budget_ratio']}). Source: `{source}`.",
+        "",
+        "| | most requests decoding at once | decode tok/s at that concurrency | output tok/s, whole run | wall time |",
+        "| --- | --- | --- | --- | --- |",
+        f"| stock vLLM | {v['max_concurrent']} | {rate(v['decode_tok_per_s_at_max'])} | {v['output_tok_per_s']:.1f} | {v['wall_s']:.0f} s |",
+        f"| sekv | {s['max_concurrent']} | {rate(s['decode_tok_per_s_at_max'])} | {s['output_tok_per_s']:.1f} | {s['wall_s']:.0f} s |",
+        f"| **sekv / stock** | **{result['concurrency_ratio']:.2f}x** (`concurrency_ratio`) | "
+        f"{result.get('decode_throughput_ratio_at_capacity', float('nan')):.2f}x | {result['output_throughput_ratio']:.2f}x | |",
+    ]
     return "\n".join(lines).replace("nanx", "-")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "perf_cpu.json")
+    parser.add_argument("--capacity", type=Path, default=ROOT / "benchmarks" / "results" / "capacity_cpu.json")
     args = parser.parse_args()
     print(write_block("perf-results", table(json.loads(args.results.read_text()), str(args.results.relative_to(ROOT)))))
+    if args.capacity.exists():
+        print(write_block("capacity-results", capacity_table(json.loads(args.capacity.read_text()),
+                                                             str(args.capacity.relative_to(ROOT)))))
 
 
 if __name__ == "__main__":

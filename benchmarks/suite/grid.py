@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from benchmarks.peers.presses import PRESSES
-from benchmarks.tasks.ruler import FAMILIES
+from benchmarks.tasks.ruler import FAMILIES, MAX_TOKENS
 
 EVAL_SEED_BASE = 1_000_000
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -35,7 +35,8 @@ class Grid(BaseModel):
     tasks: tuple[str, ...] = ("needle", "passkey")
     lengths: tuple[int, ...] = (1000,)
     samples: int = Field(3, ge=1, le=1000)
-    max_tokens: int = Field(32, ge=1, le=1024)
+    max_tokens: int | None = Field(None, ge=1, le=1024, description="answer length for every task; "
+                                   "default: each family's own (ruler.MAX_TOKENS)")
     sekv_config: dict = Field(default_factory=dict)
     via: Literal["offline", "server"] = "offline"
     concurrency: int = Field(8, ge=1, le=256)
@@ -74,7 +75,7 @@ class Grid(BaseModel):
         return lengths
 
     def jobs(self) -> list[dict]:
-        """Every (backend, budget, task, length, seed, depth) cell; full KV has budget 1.0."""
+        """Every (backend, budget, task, length, seed, depth, max_tokens) cell; full KV has budget 1.0."""
         out = []
         for backend in self.backends:
             for budget in (self.budgets if backend != "vllm" else (1.0,)):
@@ -82,20 +83,21 @@ class Grid(BaseModel):
                     for n in self.lengths:
                         for i in range(self.samples):
                             out.append({"backend": backend, "budget": budget, "task": task, "length": n,
-                                        "seed": EVAL_SEED_BASE + i, "depth": DEPTHS[i % len(DEPTHS)]})
+                                        "seed": EVAL_SEED_BASE + i, "depth": DEPTHS[i % len(DEPTHS)],
+                                        "max_tokens": self.max_tokens or MAX_TOKENS[task]})
         return out
 
 
 def job_key(job: dict) -> tuple:
-    return (job["backend"], job["budget"], job["task"], job["length"], job["seed"])
+    return (job["backend"], job["budget"], job["task"], job["length"], job["seed"], job["max_tokens"])
 
 
 PEERS = ("kvpress:snapkv", "kvpress:expected_attention")
 
 PROFILES: dict[str, dict] = {
-    "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,), "max_tokens": 24},
+    "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,)},
     "quick": {"backends": ("vllm", "sekv", *PEERS), "tasks": ("needle", "passkey", "niah_multikey"),
-              "lengths": (1000, 2000, 4000), "samples": 5, "budgets": (0.5, 0.25, 0.125), "max_tokens": 24},
+              "lengths": (1000, 2000, 4000), "samples": 3, "budgets": (0.5, 0.25, 0.125)},
     "full": {"backends": ("vllm", "sekv", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

@@ -30,7 +30,8 @@ def table(summary: dict, source: str) -> str:
     head = ["task", "tokens"] + [column_name(*c) for c in columns]
     lines = [
         f"Command: `{summary['command'].strip()}` ({summary['grid']['samples']} samples per cell, "
-        f"{summary['model']}, {summary['seconds_this_run']} s). Source: `{source}`. Accuracy (string_match_all):",
+        f"{summary['model']}; {summary.get('sample_seconds', summary['seconds_this_run']) / 60:.0f} min of generation "
+        f"in all). Source: `{source}`. Accuracy (string_match_all):",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join("---" for _ in head) + " |",

@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.engine import make_llm, run_in_subprocess
 from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import make_record
-from benchmarks.tasks.ruler import chat_prompt, make_sample, split_at_question
+from benchmarks.tasks.ruler import chat_prompt, make_sample, split_after_question
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCH = 16
@@ -72,7 +72,7 @@ def worker(spec: dict) -> dict:
 
     grid = Grid(**spec["grid"])
     sekv = grid.sekv_config if spec["backend"] == "sekv" else None
-    llm = make_llm(spec["model"], sekv, max(grid.lengths) + grid.max_tokens + 256)
+    llm = make_llm(spec["model"], sekv, max(grid.lengths) + max(j["max_tokens"] for j in spec["jobs"]) + 256)
     tok = llm.get_tokenizer()
     count = token_counter(tok)
     out_path = Path(spec["records"])
@@ -81,7 +81,7 @@ def worker(spec: dict) -> dict:
             out_path.open("a") as out:
         for batch in batches(spec["jobs"]):
             samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
-            params = [SamplingParams(temperature=0.0, max_tokens=grid.max_tokens,
+            params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"],
                                      extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
                       for j in batch]
             t0 = time.perf_counter()
@@ -111,10 +111,9 @@ def run_kvpress(grid: Grid, backend: str, jobs: list[dict], model: str, records:
     items = []
     for job in jobs:
         sample = make_sample(job["task"], job["length"], job["depth"], job["seed"], count)
-        context, question = split_at_question(sample, tok)
-        items.append({"job": job, "context": context, "question": question, "answers": list(sample.answers)})
-    kvpress_run.run({"model": model, "press": backend.split(":", 1)[1], "max_tokens": grid.max_tokens,
-                     "records": str(records), "items": items})
+        compressed, rest = split_after_question(sample, tok)
+        items.append({"job": job, "compressed": compressed, "rest": rest, "answers": list(sample.answers)})
+    kvpress_run.run({"model": model, "press": backend.split(":", 1)[1], "records": str(records), "items": items})
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -200,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(records)
     summary = {"command": "python -m benchmarks.suite.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                "grid": grid.model_dump(), "model": Path(model).name, "seconds_this_run": round(time.time() - start),
+               # Generation time of every record (a batch's time shared by its samples), resumed runs included.
+               "sample_seconds": round(sum(r["batch_seconds"] / (1 if r.get("via") == "server" else r["batch_size"])
+                                           for r in records)),
                "rows": rows, "averages": averages(rows)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{'task':<16}{'tokens':>7}{'backend':>28}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}{'s/sample':>10}")

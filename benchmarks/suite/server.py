@@ -118,7 +118,7 @@ def run_server(grid: Grid, backend: str, jobs: list[dict], model: str, records: 
 
     def ask(job: dict) -> tuple[dict, object, dict, float]:
         sample = make_sample(job["task"], job["length"], job["depth"], job["seed"], count)
-        body = {"model": model, "prompt": chat_prompt(sample, tok), "max_tokens": grid.max_tokens, "temperature": 0}
+        body = {"model": model, "prompt": chat_prompt(sample, tok), "max_tokens": job["max_tokens"], "temperature": 0}
         if sekv is not None:
             body["vllm_xargs"] = {"sekv_budget_ratio": job["budget"]}
         t0 = time.perf_counter()
@@ -128,7 +128,8 @@ def run_server(grid: Grid, backend: str, jobs: list[dict], model: str, records: 
         return job, sample, reply, time.perf_counter() - t0
 
     chunk = max(4 * grid.concurrency, 16)  # records are written per chunk: resume granularity
-    with Server(model, sekv, max(grid.lengths) + grid.max_tokens + 256, Path(work) / "server.log") as server, \
+    max_model_len = max(grid.lengths) + max(j["max_tokens"] for j in jobs) + 256
+    with Server(model, sekv, max_model_len, Path(work) / "server.log") as server, \
             ThreadPoolExecutor(grid.concurrency) as pool, \
             tqdm(total=len(jobs), desc=f"{backend} (server x{grid.concurrency})", unit="sample", file=sys.stderr) as bar:
         for start in range(0, len(jobs), chunk):

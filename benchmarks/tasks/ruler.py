@@ -52,13 +52,14 @@ def chat_prompt(sample: Sample, tokenizer) -> str:
     return text + sample.answer_prefix
 
 
-def split_at_question(sample: Sample, tokenizer) -> tuple[str, str]:
-    """chat_prompt split where the question starts: (context part, question part).
+def split_after_question(sample: Sample, tokenizer) -> tuple[str, str]:
+    """chat_prompt cut where the user's turn ends: (the part a peer compresses, the rest).
 
-    Peers that compress only the context (kvpress) get the same text, cut here.
+    The compressed part holds the question too, as sekv's compressed prompt does; the rest is
+    the end of the turn, the assistant header and the answer prefix.
     """
     text = chat_prompt(sample, tokenizer)
-    cut = text.rindex("\n\n" + sample.question)
+    cut = text.rindex(sample.question) + len(sample.question)
     return text[:cut], text[cut:]
 
 
@@ -218,6 +219,13 @@ def _fwe(rng: random.Random, depth: float, alpha: float = 2.0, top: int = 3):
 
     return render
 
+
+# Answer lengths in tokens, per family, as RULER sets one per task: the instruct model restates
+# the question before multi-key answers, so those need room.
+MAX_TOKENS = {
+    "needle": 24, "passkey": 24, "niah_single": 48, "niah_multikey": 48, "niah_multivalue": 80,
+    "niah_multiquery": 80, "vt": 40, "cwe": 120, "fwe": 50,
+}
 
 FAMILIES = {
     "needle": _single("needle"),

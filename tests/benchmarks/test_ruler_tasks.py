@@ -1,7 +1,7 @@
 """The task generator: deterministic, shortest message reaching the target, RULER scoring."""
 import pytest
 
-from benchmarks.tasks.ruler import FAMILIES, chat_prompt, make_sample, score, split_at_question
+from benchmarks.tasks.ruler import FAMILIES, chat_prompt, make_sample, score, split_after_question
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,8 @@ def test_chat_prompt_and_the_peer_split_carry_the_same_text(task, tokenizer, cou
     text = chat_prompt(s, tokenizer)
     assert text.startswith("<|im_start|>") and s.prompt in text  # chat template applied, BOS as it has it
     assert text.endswith(s.answer_prefix)
-    context, question = split_at_question(s, tokenizer)
-    assert context + question == text
-    assert question.startswith("\n\n" + s.question) and s.context in context
-    assert all(a not in question for a in s.answers)  # the answers are in the context part only
+    compressed, rest = split_after_question(s, tokenizer)
+    assert compressed + rest == text
+    assert compressed.endswith(s.question) and s.context in compressed
+    assert rest.startswith("<|im_end|>") and rest.endswith(s.answer_prefix)
+    assert all(a not in rest for a in s.answers)  # the answers are in the compressed part only
