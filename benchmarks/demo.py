@@ -11,7 +11,7 @@ import json
 import sys
 
 from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
-from benchmarks.tasks.ruler import chat_prompt, make_sample, score
+from benchmarks.tasks.ruler import chat_prompt, make_sample, score, token_counter
 
 
 def worker(spec: dict) -> dict:
@@ -19,8 +19,7 @@ def worker(spec: dict) -> dict:
 
     llm = make_llm(spec["model"], spec["sekv"], spec["tokens"] + 512)
     tok = llm.get_tokenizer()
-    sample = make_sample("needle", spec["tokens"], spec["depth"], 0,
-                         lambda t: len(tok(t, add_special_tokens=False).input_ids))
+    sample = make_sample("needle", spec["tokens"], spec["depth"], 0, token_counter(tok))
     prompt = chat_prompt(sample, tok)
     outputs, seconds = timed_generate(llm, [prompt], [SamplingParams(temperature=0.0, max_tokens=24)])
     figures = None

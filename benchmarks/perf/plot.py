@@ -37,10 +37,7 @@ def plot(result: dict, folder: Path) -> list[Path]:
     right.set_xlabel("prompt tokens")
     right.set_ylabel("peak process RSS (GiB)")
     right.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    memory = folder / "perf_memory.png"
-    fig.savefig(memory, dpi=110)
+    memory = _save(fig, title, folder / "perf_memory.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, r in enumerate(rows):
@@ -51,11 +48,16 @@ def plot(result: dict, folder: Path) -> list[Path]:
     ax.set_xlabel("batch (concurrent requests)")
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    throughput = folder / "perf_throughput.png"
-    fig.savefig(throughput, dpi=110)
+    throughput = _save(fig, title, folder / "perf_throughput.png")
     return [memory, throughput]
+
+
+def _save(fig, title: str | None, path: Path) -> Path:
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def plot_capacity(result: dict, folder: Path) -> Path:
@@ -73,10 +75,7 @@ def plot_capacity(result: dict, folder: Path) -> Path:
     ax.set_title(f"{result[backend]['requests']} requests of ~{result['length']} tokens, one pool of "
                  f"{result['kv_cache_space_gib']} GiB: concurrency_ratio {result['concurrency_ratio']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = folder / "capacity.png"
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, None, folder / "capacity.png")
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.engine import make_llm, run_in_subprocess
 from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import make_record
-from benchmarks.tasks.ruler import chat_prompt, make_sample, split_after_question
+from benchmarks.tasks.ruler import chat_prompt, make_sample, split_after_question, token_counter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCH = 16
@@ -59,10 +59,6 @@ def batches(jobs: list[dict]) -> list[list[dict]]:
     for job in jobs:
         groups[(job["task"], job["length"])].append(job)
     return [g[i : i + BATCH] for g in groups.values() for i in range(0, len(g), BATCH)]
-
-
-def token_counter(tokenizer):
-    return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def worker(spec: dict) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.engine import ENGINE_ENV, STOCK_PLUGINS
 from benchmarks.suite.grid import Grid
 from benchmarks.suite.records import make_record
-from benchmarks.tasks.ruler import chat_prompt, make_sample
+from benchmarks.tasks.ruler import chat_prompt, make_sample, token_counter
 
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 900
@@ -111,7 +111,7 @@ def run_server(grid: Grid, backend: str, jobs: list[dict], model: str, records: 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    count = token_counter(tok)
     work = tempfile.mkdtemp(prefix="sekv-suite-server-")
     stats = Path(work) / "stats.jsonl"
     sekv = {**grid.sekv_config, "stats_path": str(stats)} if backend == "sekv" else None

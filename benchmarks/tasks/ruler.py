@@ -28,6 +28,11 @@ from benchmarks.tasks.haystack import sentences
 CountTokens = Callable[[str], int]
 
 
+def token_counter(tokenizer) -> CountTokens:
+    """Tokens of a text with the model's tokenizer, no special tokens added."""
+    return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 @dataclass(frozen=True)
 class Sample:
     task: str

@@ -54,10 +54,6 @@ def plan_release(req_id: str, keep_blocks: int, prompt_tokens: int) -> None:
     _plans[req_id] = PagePlan(keep_blocks, prompt_tokens)
 
 
-def pending_plans() -> dict[str, PagePlan]:
-    return dict(_plans)
-
-
 class PageReturningManager(FullAttentionManager):
     """FullAttentionManager that frees the prompt pages of requests with a PagePlan."""
 
