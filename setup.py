@@ -8,4 +8,6 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"]) + ["sekv_vllm.triton_kernels"],
     package_dir={"sekv_vllm.triton_kernels": "triton_kernels"},
+    # the shipped router weights and their provenance
+    package_data={"sekv_vllm.router": ["weights/*.safetensors", "weights/*.json"]},
 )

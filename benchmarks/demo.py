@@ -11,7 +11,7 @@ import json
 import sys
 
 from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
-from benchmarks.tasks.ruler import chat_prompt, make_sample, score, token_counter
+from sekv_vllm.tasks.ruler import chat_prompt, make_sample, score, token_counter
 
 
 def worker(spec: dict) -> dict:

@@ -47,7 +47,12 @@ class SeKVConfig(BaseModel):
     # trades accuracy for a smaller host pool.
     max_span: int = Field(32, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
     r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
-    zoom_policy: Literal["span_score"] = "span_score"
+    # The default stays the untrained score while the trained router does not beat it (README,
+    # "The trained router").
+    zoom_policy: Literal["router", "span_score"] = Field(
+        "span_score", description="span_score: the untrained q . k_bar / sqrt(D) + log|S| score; router: the "
+        "trained router (weights shipped for the default model; another model needs router_weights)")
+    router_weights: str | None = Field(None, description="router weight file; default: the one shipped for the model")
     host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")
     return_pages: bool = Field(True, description="return a compressed request's prompt pages to vLLM's pool, "
                                "but for the fast tier's share")

@@ -24,7 +24,7 @@ def prefill(rt: SeKVRuntime, req_id: str, T: int, seed: int = 0, chunk: int = 30
 
 
 def test_admission_rules():
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=100), LAYERS)
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=100), LAYERS)
     assert rt.admit("short", 50, None).status is Status.FULL_KV
     assert rt.admit("off", 500, {"sekv_compress": False}).status is Status.FULL_KV
     assert rt.admit("bad", 500, {"sekv_budget_ratio": 9}).reason.startswith("bad per-request settings")
@@ -33,7 +33,7 @@ def test_admission_rules():
 
 
 def test_compress_then_attend_matches_exact_attention_at_full_budget_and_rank():
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, budget_ratio=1.0, r_max=64, max_span=64, window=16), LAYERS)
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, budget_ratio=1.0, r_max=64, max_span=64, window=16), LAYERS)
     rt.admit("r", 1000, None)
     kv = prefill(rt, "r", 1000)
     assert rt.compress("r").status is Status.COMPRESSED
@@ -49,7 +49,7 @@ def test_compress_then_attend_matches_exact_attention_at_full_budget_and_rank():
 
 
 def test_full_pool_degrades_to_full_kv_without_error():
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, host_pool_bytes=10_000), LAYERS)
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, host_pool_bytes=10_000), LAYERS)
     rt.admit("r", 1000, None)
     prefill(rt, "r", 1000)
     mem = rt.compress("r")
@@ -58,7 +58,7 @@ def test_full_pool_degrades_to_full_kv_without_error():
 
 
 def test_release_frees_both_tiers_after_many_requests():
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10), LAYERS)
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10), LAYERS)
     for i in range(20):
         rt.admit(f"r{i}", 600, None)
         prefill(rt, f"r{i}", 600, seed=i)
@@ -79,7 +79,7 @@ def test_stats_path_gets_one_json_line_per_compressed_request(tmp_path):
     import json
 
     path = tmp_path / "stats.jsonl"
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, stats_path=str(path)), LAYERS)
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, stats_path=str(path)), LAYERS)
     for i in range(2):
         rt.admit(f"r{i}", 600, None)
         prefill(rt, f"r{i}", 600, seed=i)

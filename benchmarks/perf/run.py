@@ -35,7 +35,7 @@ BATCHES = (1, 8)
 
 def essay_prompts(tokenizer, n_tokens: int, count: int) -> list[list[int]]:
     """`count` distinct essay passages of exactly n_tokens tokens each (token ids)."""
-    from benchmarks.tasks.haystack import sentences
+    from sekv_vllm.tasks.haystack import sentences
 
     ids = tokenizer(" ".join(sentences()), add_special_tokens=False).input_ids
     stride = max((len(ids) - n_tokens) // max(count, 1), 1)

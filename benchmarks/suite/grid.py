@@ -1,6 +1,7 @@
 """What a suite run measures: a validated grid of backends x budgets x tasks x lengths x samples.
 
-Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM), and
+Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM with its
+default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`), and
 `kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
 of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
 budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
@@ -17,9 +18,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from benchmarks.peers.presses import PRESSES
-from benchmarks.tasks.ruler import FAMILIES, MAX_TOKENS
+from sekv_vllm.policies import POLICIES
+from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
-EVAL_SEED_BASE = 1_000_000
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -44,7 +45,7 @@ class Grid(BaseModel):
     @field_validator("backends")
     @classmethod
     def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
-        allowed = ["vllm", "sekv"] + [f"kvpress:{p}" for p in PRESSES]
+        allowed = ["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
         unknown = [b for b in backends if b not in allowed]
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}")
@@ -74,6 +75,14 @@ class Grid(BaseModel):
             raise ValueError(f"lengths {bad} are outside [128, 32768]")
         return lengths
 
+    def sekv_settings(self, backend: str) -> dict | None:
+        """The SeKVConfig fields a sekv backend runs with; None for the other backends."""
+        if backend == "sekv":
+            return dict(self.sekv_config)
+        if backend.startswith("sekv:"):
+            return {**self.sekv_config, "zoom_policy": backend.split(":", 1)[1]}
+        return None
+
     def jobs(self) -> list[dict]:
         """Every (backend, budget, task, length, seed, depth, max_tokens) cell; full KV has budget 1.0."""
         out = []
@@ -98,7 +107,11 @@ PROFILES: dict[str, dict] = {
     "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,)},
     "quick": {"backends": ("vllm", "sekv", *PEERS), "tasks": ("needle", "passkey", "niah_multikey"),
               "lengths": (1000, 2000, 4000), "samples": 3, "budgets": (0.5, 0.25, 0.125)},
-    "full": {"backends": ("vllm", "sekv", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
+    # The trained router against the untrained score, budgets down to 1/16 of the prompt.
+    "router": {"backends": ("vllm", "sekv:router", "sekv:span_score"),
+               "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
+               "budgets": (0.25, 0.125, 0.0625)},
+    "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }
 

@@ -1,7 +1,7 @@
 """One suite record per sample, the same fields for every backend."""
 from __future__ import annotations
 
-from benchmarks.tasks.ruler import score
+from sekv_vllm.tasks.ruler import score
 
 
 def prompt_id(job: dict) -> str:

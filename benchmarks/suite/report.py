@@ -1,6 +1,7 @@
 """Accuracy table (task x length by backend/budget) from a suite summary, into the README.
 
-    python -m benchmarks.suite.report --profile quick
+    python -m benchmarks.suite.report --profile quick    # block suite-results
+    python -m benchmarks.suite.report --profile router   # block suite-router
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def column_name(backend: str, budget: float) -> str:
 
 
 def column_order(columns: set[tuple[str, float]]) -> list[tuple[str, float]]:
-    """Full KV first, then sekv, then peers; tighter budgets to the right."""
-    return sorted(columns, key=lambda c: (c[0] != "vllm", c[0] != "sekv", c[0], -c[1]))
+    """Full KV first, then sekv (default policy first), then peers; tighter budgets to the right."""
+    return sorted(columns, key=lambda c: (c[0] != "vllm", not c[0].startswith("sekv"), c[0] != "sekv", c[0], -c[1]))
 
 
 def table(summary: dict, source: str) -> str:
@@ -62,7 +63,8 @@ def main() -> None:
     parser.add_argument("--profile", default="quick")
     args = parser.parse_args()
     path = ROOT / "benchmarks" / "results" / f"suite-{args.profile}" / "summary.json"
-    print(write_block("suite-results", table(json.loads(path.read_text()), str(path.relative_to(ROOT)))))
+    block = "suite-results" if args.profile == "quick" else f"suite-{args.profile}"
+    print(write_block(block, table(json.loads(path.read_text()), str(path.relative_to(ROOT)))))
 
 
 if __name__ == "__main__":

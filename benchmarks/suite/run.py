@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.engine import make_llm, run_in_subprocess
 from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import make_record
-from benchmarks.tasks.ruler import chat_prompt, make_sample, split_after_question, token_counter
+from sekv_vllm.tasks.ruler import chat_prompt, make_sample, split_after_question, token_counter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCH = 16
@@ -67,7 +67,7 @@ def worker(spec: dict) -> dict:
     from vllm import SamplingParams
 
     grid = Grid(**spec["grid"])
-    sekv = grid.sekv_config if spec["backend"] == "sekv" else None
+    sekv = grid.sekv_settings(spec["backend"])
     llm = make_llm(spec["model"], sekv, max(grid.lengths) + max(j["max_tokens"] for j in spec["jobs"]) + 256)
     tok = llm.get_tokenizer()
     count = token_counter(tok)

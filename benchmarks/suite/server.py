@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.engine import ENGINE_ENV, STOCK_PLUGINS
 from benchmarks.suite.grid import Grid
 from benchmarks.suite.records import make_record
-from benchmarks.tasks.ruler import chat_prompt, make_sample, token_counter
+from sekv_vllm.tasks.ruler import chat_prompt, make_sample, token_counter
 
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 900
@@ -114,7 +114,8 @@ def run_server(grid: Grid, backend: str, jobs: list[dict], model: str, records: 
     count = token_counter(tok)
     work = tempfile.mkdtemp(prefix="sekv-suite-server-")
     stats = Path(work) / "stats.jsonl"
-    sekv = {**grid.sekv_config, "stats_path": str(stats)} if backend == "sekv" else None
+    settings = grid.sekv_settings(backend)
+    sekv = None if settings is None else {**settings, "stats_path": str(stats)}
 
     def ask(job: dict) -> tuple[dict, object, dict, float]:
         sample = make_sample(job["task"], job["length"], job["depth"], job["seed"], count)

@@ -1,5 +1,5 @@
 """The SeKV method in plain torch. Nothing under core/ imports vLLM."""
-from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans, singular_values
 from sekv_vllm.core.mixed_attention import exact_attention, mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout, segment_prompt, surprisal_threshold
 from sekv_vllm.core.span_memory import LayerSpanMemory, attend_memory, compress_layer
@@ -13,9 +13,11 @@ __all__ = [
     "compress_layer",
     "exact_attention",
     "fit_span_bases",
+    "gate_bases",
     "mixed_attention",
     "rebuild_spans",
     "segment_prompt",
+    "singular_values",
     "summarize_spans",
     "surprisal_threshold",
 ]

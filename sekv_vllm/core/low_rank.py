@@ -85,3 +85,21 @@ def rebuild_spans_of(span_ids: torch.Tensor, *bases: SpanBases) -> tuple[list[to
         rows = torch.matmul(coef, b.basis.float()[span_ids])  # [Z, Hkv, L, D]
         out.append(rows.permute(0, 2, 1, 3)[valid])
     return out, span_ids[:, None].expand_as(index)[valid]
+
+
+def span_of_rows(bases: SpanBases) -> torch.Tensor:
+    """[P] int64: the span of every coefficient row."""
+    return torch.repeat_interleave(torch.arange(bases.span_len.numel()), bases.span_len)
+
+
+def singular_values(bases: SpanBases) -> torch.Tensor:
+    """[S, Hkv, R] float32 singular values of each span (coef = U diag(s), so s = column norms)."""
+    S, Hkv, R = bases.basis.shape[0], bases.coef.shape[1], bases.coef.shape[2]
+    sq = torch.zeros(S, Hkv, R, dtype=torch.float32).index_add_(0, span_of_rows(bases), bases.coef.float() ** 2)
+    return sq.sqrt()
+
+
+def gate_bases(bases: SpanBases, gates: torch.Tensor) -> SpanBases:
+    """The factors rebuilding U diag(g * s) V^T: gates [S, Hkv, R] scale each span's coefficients."""
+    coef = (bases.coef.float() * gates[span_of_rows(bases)]).to(bases.coef.dtype)
+    return SpanBases(coef, bases.basis, bases.row_offset, bases.span_len)

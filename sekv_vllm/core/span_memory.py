@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, rebuild_spans_of
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans_of, singular_values
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
 from sekv_vllm.core.span_summary import summarize_spans
@@ -30,17 +31,30 @@ class LayerSpanMemory:
         return self.bases_k.nbytes + self.bases_v.nbytes
 
 
+KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
 def compress_layer(
-    k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int
+    k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
+    key_gates: KeyGates | None = None,
 ) -> LayerSpanMemory:
-    """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float."""
+    """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
+
+    key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
+    gates of the keys (the trained router's), folded into the stored coefficients.
+    """
     summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len)
     summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len)
+    bases_k = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
+    if key_gates is not None and layout.num_spans:
+        gates = key_gates(singular_values(bases_k), summary_k)
+        if gates is not None:
+            bases_k = gate_bases(bases_k, gates)
     return LayerSpanMemory(
         summary_k,
         summary_v,
         layout.span_len,
-        fit_span_bases(k, layout.span_start, layout.span_len, r_max),
+        bases_k,
         fit_span_bases(v, layout.span_start, layout.span_len, r_max),
     )
 

@@ -3,6 +3,7 @@
     sekv-vllm prepare-model
     sekv-vllm generate --prompt-file long.txt --kv-cache-backend sekv --sekv-config '{"budget_ratio": 0.25}'
     sekv-vllm serve [MODEL] --kv-cache-backend sekv [any vLLM server flag]
+    sekv-vllm train-router --config configs/router-smollm2-135m.toml [--steps N] [--resume] [--ship]
 
 `serve` runs the same server as `python -m vllm.entrypoints.openai.api_server`, where the
 plugin adds `--kv-cache-backend` and `--sekv-config` too (`vllm serve` itself fails in the
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         return cmd_serve(argv[1:])
+    if argv and argv[0] == "train-router":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from sekv_vllm.training.train import main as train_main
+
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="sekv-vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare-model", help="convert the embedded default model once into the cache")
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.set_defaults(func=cmd_generate)
     sub.add_parser("serve", help="OpenAI-compatible server; every vLLM server flag is accepted")
+    sub.add_parser("train-router", help="train the zoom-in router of a model (see --help there)")
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,6 +1,6 @@
 """The untrained SeKV zoom score: q . k_bar / sqrt(D) + log|S|, top spans until the budget.
 
-It stands in for the trained router (same interface) until the router ships weights.
+The baseline the trained router is measured against (same interface, no weights).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ class SpanScorePolicy(ZoomPolicy):
     name: ClassVar[str] = "span_score"
 
     def select(
-        self, q: torch.Tensor, summary_k: torch.Tensor, span_len: torch.Tensor, zoom_budget: int, scale: float
+        self, layer: int, q: torch.Tensor, summary_k: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
+        scale: float,
     ) -> torch.Tensor:
         H, D = q.shape
         S, Hkv, _ = summary_k.shape

@@ -8,6 +8,7 @@ when it finishes, aborts or is preempted.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 import json
 import logging
@@ -19,6 +20,7 @@ from sekv_vllm.config import RequestOverrides, SeKVConfig
 from sekv_vllm.core import LayerSpanMemory, SpanLayout, attend_memory, compress_layer, segment_prompt
 from sekv_vllm.policies import ZoomPolicy, make_policy
 from sekv_vllm.pool import HostPool
+from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
 logger = logging.getLogger("sekv_vllm")
@@ -40,6 +42,9 @@ class RequestMemory:
     surprisal: torch.Tensor | None = None  # [T] float32, s_0 = 0
     layout: SpanLayout | None = None
     zoom_budget: int = 0
+    # The budget covers every span at token resolution: no choice to make, every span is
+    # rebuilt exactly (no gates) and the policy is not asked.
+    zoom_all: bool = False
     # PREFILLING: every computed row by position; COMPRESSED: full-resolution rows only
     # (anchors and short runs, then window and generated tokens, in position order).
     rows: dict[str, RowBuffer] = field(default_factory=dict)
@@ -48,16 +53,33 @@ class RequestMemory:
     figures: dict = field(default_factory=dict)
 
 
+def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
+    """The prompt's layout under a budget of rows per decode step, and the rows left for zoomed spans.
+
+    surprisal: [T] float. The layout gets (1 - zoom_share) of the budget; anchors are demoted
+    until it fits (or only token 0 is left).
+    """
+    layout = segment_prompt(
+        surprisal, window=config.window, alpha=config.alpha, l_min=config.l_min,
+        max_span=config.max_span, budget=int(budget * (1 - config.zoom_share)),
+    )
+    return layout, max(budget - layout.base_rows, 0)
+
+
 class SeKVRuntime:
     """All compressed requests of one worker.
 
     Bytes are counted in the KV cache dtype: a row is K and V of every KV head of one layer.
+    layer_names are in model order (the router's layer index is the position in this list).
     """
 
-    def __init__(self, config: SeKVConfig, layer_names: list[str]) -> None:
+    def __init__(self, config: SeKVConfig, layer_names: list[str], shape: ModelShape | None = None,
+                 model_name: str = "") -> None:
         self.config = config
         self.layer_names = layer_names
-        self.policy: ZoomPolicy = make_policy(config.zoom_policy)
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.policy: ZoomPolicy = make_policy(config.zoom_policy, shape=shape, model_name=model_name,
+                                              router_weights=config.router_weights)
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
         # Figures of the last requests that ended, for benchmarks and tests in this process.
@@ -122,16 +144,15 @@ class SeKVRuntime:
         cfg = self.config
         if set(mem.rows) != set(self.layer_names):
             return self._keep_full(mem, "prompt rows were not captured in every layer")
-        layout = segment_prompt(
-            mem.surprisal, window=cfg.window, alpha=cfg.alpha, l_min=cfg.l_min,
-            max_span=cfg.max_span, budget=int(mem.budget * (1 - cfg.zoom_share)),
-        )
+        layout, zoom_budget = plan_layout(mem.surprisal, mem.budget, cfg)
+        zoom_all = zoom_budget >= layout.span_tokens - layout.num_spans
         if layout.num_spans == 0:
             return self._keep_full(mem, "no span of at least l_min tokens outside the window")
         T = mem.prompt_len
-        for name in self.layer_names:
+        for i, name in enumerate(self.layer_names):
             k, v = mem.rows[name].view()
-            layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max)
+            layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max,
+                                   None if zoom_all else functools.partial(self.policy.key_gates, i))
             if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
                 self.pool.release(req_id)
                 logger.warning(
@@ -148,7 +169,7 @@ class SeKVRuntime:
             full.append(k[keep], v[keep])
             mem.rows[name] = full
         mem.layout = layout
-        mem.zoom_budget = max(mem.budget - layout.base_rows, 0)
+        mem.zoom_budget, mem.zoom_all = zoom_budget, zoom_all
         mem.status = Status.COMPRESSED
         L = len(self.layer_names)
         k0 = mem.rows[self.layer_names[0]].k
@@ -197,7 +218,11 @@ class SeKVRuntime:
         mem = self.requests[req_id]
         layer = self.pool.load(req_id, layer_name)
         full_k, full_v = mem.rows[layer_name].view()
-        zoom = self.policy.select(q, layer.summary_k, layer.span_len, mem.zoom_budget, scale)
+        if mem.zoom_all:
+            zoom = torch.ones(q.shape[0], layer.span_len.numel(), dtype=torch.bool)
+        else:
+            zoom = self.policy.select(self.layer_index[layer_name], q, layer.summary_k, layer.span_len,
+                                      mem.zoom_budget, scale)
         mem.decode_calls += 1
         mem.zoomed_spans_total += zoom.any(dim=0).sum()
         return attend_memory(q, full_k, full_v, layer, zoom, scale)

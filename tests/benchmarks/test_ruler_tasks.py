@@ -1,7 +1,7 @@
 """The task generator: deterministic, shortest message reaching the target, RULER scoring."""
 import pytest
 
-from benchmarks.tasks.ruler import FAMILIES, chat_prompt, make_sample, score, split_after_question
+from sekv_vllm.tasks.ruler import FAMILIES, chat_prompt, make_sample, score, split_after_question
 
 
 @pytest.fixture(scope="module")

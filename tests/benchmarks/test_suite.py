@@ -15,7 +15,7 @@ from benchmarks.suite.run import averages, load_records, pending_jobs, summarize
     ({"budgets": [0.0, 0.5]}, "budgets: Value error, budgets [0.0] are outside (0, 1]"),
     ({"lengths": [50]}, "lengths: Value error, lengths [50] are outside [128, 32768]"),
     ({"samples": 0}, "samples: Input should be greater than or equal to 1"),
-    ({"backends": ["sglang"]}, "backends: Value error, unknown backend(s) ['sglang']; allowed: ['vllm', 'sekv', 'kvpress:snapkv'"),
+    ({"backends": ["sglang"]}, "backends: Value error, unknown backend(s) ['sglang']; allowed: ['vllm', 'sekv', 'sekv:span_score', 'sekv:router', 'kvpress:snapkv'"),
     ({"via": "grpc"}, "via: Input should be 'offline' or 'server'"),
     ({"concurrency": 0}, "concurrency: Input should be greater than or equal to 1"),
 ])
@@ -26,7 +26,7 @@ def test_bad_grid_is_refused_naming_the_field(overrides, message):
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['ci', 'full', 'quick'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['ci', 'full', 'quick', 'router'\]"):
         make_grid("fast")
 
 

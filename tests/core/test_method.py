@@ -13,7 +13,8 @@ from sekv_vllm.core import (
     segment_prompt,
     summarize_spans,
 )
-from sekv_vllm.policies import POLICIES, budgeted_zoom, make_policy
+from sekv_vllm.policies import POLICIES, RouterPolicy, budgeted_zoom, make_policy
+from sekv_vllm.router import ModelShape, ZoomRouter
 
 H, HKV, D = 9, 3, 64
 
@@ -141,7 +142,9 @@ def test_budget_is_never_exceeded(budget):
     else:
         zoom_budget = budget - layout.base_rows
     for name in POLICIES:
-        zoom = make_policy(name).select(q, mem.summary_k, mem.span_len, zoom_budget, 1 / math.sqrt(D))
+        policy = (RouterPolicy(ZoomRouter(ModelShape(1, H, HKV, D), r_max=16)) if name == "router"
+                  else make_policy(name))
+        zoom = policy.select(0, q, mem.summary_k, mem.span_len, zoom_budget, 1 / math.sqrt(D))
         per_kv = zoom.view(HKV, H // HKV, -1)[:, 0]
         extra = (per_kv.float() * (mem.span_len - 1).float()).sum(dim=1)
         assert (extra <= zoom_budget).all()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from benchmarks.tasks.ruler import make_sample
+from sekv_vllm.tasks.ruler import make_sample
 
 pytestmark = pytest.mark.vllm
 

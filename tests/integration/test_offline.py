@@ -1,8 +1,8 @@
 """sekv inside vLLM's offline LLM on the default model, against stock vLLM."""
 import pytest
 
-from benchmarks.tasks.haystack import sentences
-from benchmarks.tasks.ruler import make_sample, score
+from sekv_vllm.tasks.haystack import sentences
+from sekv_vllm.tasks.ruler import make_sample, score
 from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.vllm

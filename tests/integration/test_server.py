@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from benchmarks.tasks.ruler import make_sample
+from sekv_vllm.tasks.ruler import make_sample
 
 pytestmark = pytest.mark.vllm
 
@@ -103,3 +103,16 @@ def test_bad_config_is_refused_at_start_up(model_dir):
     assert proc.returncode != 0
     assert "sekv.budget_ratio: Input should be less than or equal to 1 (got 2)" in proc.stderr
     assert "sekv.window: Input should be greater than or equal to 1 (got 0)" in proc.stderr
+
+
+def test_router_weights_of_another_model_are_refused_at_start_up(model_dir, tmp_path):
+    from sekv_vllm.router import ModelShape, ZoomRouter, save_router
+
+    wrong = save_router(ZoomRouter(ModelShape(4, 8, 2, 32)), tmp_path / "other.safetensors", model_name="other",
+                        provenance={})
+    proc = subprocess.run(serve_cmd(model_dir, "--port", str(free_port()), "--kv-cache-backend", "sekv",
+                                    "--sekv-config", json.dumps({"zoom_policy": "router", "router_weights": str(wrong)})),
+                          capture_output=True, text=True, timeout=180, env={**os.environ, **SERVER_ENV})
+    assert proc.returncode != 0
+    assert ("sekv.router_weights: " in proc.stderr and "4 layers, 8 heads" in proc.stderr
+            and "30 layers, 9 heads, 3 KV heads, head_dim 64" in proc.stderr), proc.stderr[-3000:]

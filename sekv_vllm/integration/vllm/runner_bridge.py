@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.integration.vllm import kv_pages
+from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
 
 if TYPE_CHECKING:
@@ -39,10 +42,13 @@ class RunnerBridge:
     def __init__(self, runner: "GPUModelRunner", config: SeKVConfig) -> None:
         self.runner = runner
         forward_context = runner.compilation_config.static_forward_context
-        self.layers = {
-            name: layer for name, layer in forward_context.items() if hasattr(layer, "impl") and hasattr(layer, "kv_cache")
-        }
-        self.runtime = SeKVRuntime(config, list(self.layers))
+        attn = [(name, layer) for name, layer in forward_context.items()
+                if hasattr(layer, "impl") and hasattr(layer, "kv_cache")]
+        self.layers = dict(sorted(attn, key=lambda item: extract_layer_index(item[0])))
+        first = next(iter(self.layers.values()))
+        shape = ModelShape(len(self.layers), first.num_heads, first.num_kv_heads, first.head_size)
+        model_name = Path(runner.vllm_config.model_config.model).name
+        self.runtime = SeKVRuntime(config, list(self.layers), shape, model_name)
         kv_pages.on_request_freed(self._on_pages_freed)
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0

@@ -108,13 +108,35 @@ def _install_cli() -> None:
                 self.enable_prefix_caching = False
                 # Normalised and validated: every process reads the same full settings.
                 self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
-            return original(self, *args, **kwargs)
+            vllm_config = original(self, *args, **kwargs)
+            if config is not None and config.zoom_policy == "router":
+                _check_router(config, vllm_config)
+            return vllm_config
 
         return create_engine_config
 
     _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
     _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)
+
+
+def _check_router(config: SeKVConfig, vllm_config) -> None:
+    """Refuse at start-up router weights that are missing or trained for another model shape; the
+    workers then load the resolved file."""
+    from pathlib import Path
+
+    from sekv_vllm.router import ModelShape, RouterWeightsError, load_router, resolve_weights
+
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    shape = ModelShape(hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, mc.get_head_size())
+    try:
+        path = resolve_weights(config.router_weights, Path(mc.model).name)
+        load_router(path, shape)
+    except RouterWeightsError as err:
+        raise SeKVConfigError(f"sekv.{err}") from None
+    settings = {**config.model_dump(), "router_weights": str(path.resolve())}
+    vllm_config.additional_config = {**vllm_config.additional_config, ADDITIONAL_CONFIG_KEY: settings}
 
 
 def _install_runner_hook() -> None:

@@ -1,0 +1,1 @@
+"""Long-context text and tasks for training the router and for the benchmark suite (no vLLM import)."""
