@@ -50,6 +50,9 @@ class TrainConfig(BaseModel):
     gate_weight: float = Field(0.5, ge=0)
     budget_weight: float = Field(0.1, ge=0)
     budget_ramp: float = Field(0.5, gt=0, le=1, description="share of training over which the budget term ramps up")
+    relaxed_topk: bool = Field(False, description="soft zoom relaxes the budgeted top-k (threshold at the budget's "
+                               "edge) instead of thresholding at tau")
+    zoom_temperature: float = Field(0.25, gt=0, description="with relaxed_topk: sharpness of the soft zoom")
     checkpoint_every: int = Field(200, ge=1)
     threads: int | None = Field(None, ge=1)
 

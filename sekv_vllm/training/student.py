@@ -79,9 +79,27 @@ class StudentOutput:
     gates: list[torch.Tensor] = field(default_factory=list)  # per layer [S, Hkv, R]
 
 
+def budget_threshold(ell: torch.Tensor, span_len: torch.Tensor, zoom_budget: int) -> torch.Tensor:
+    """[Q, H, 1]: midway between the last span a budgeted top-k by `ell` [Q, H, S] takes and the first
+    it leaves (no gradient): the soft zoom sigmoid(ell - this) is a relaxed budgeted top-k."""
+    ell = ell.detach()
+    S = ell.shape[-1]
+    ranked, order = torch.sort(ell, dim=-1, descending=True)
+    taken = (torch.cumsum((span_len - 1)[order], dim=-1) <= zoom_budget).sum(dim=-1, keepdim=True)  # [Q, H, 1]
+    last = ranked.gather(-1, (taken - 1).clamp(min=0))
+    first = ranked.gather(-1, taken.clamp(max=S - 1))
+    last = torch.where(taken > 0, last, ranked[..., :1] + 1)
+    first = torch.where(taken < S, first, ranked[..., -1:] - 1)
+    return (last + first) / 2
+
+
 def student_forward(lm: FrozenLM, router: ZoomRouter, rec: TeacherRecord, memories: list[LayerMemory],
-                    hard_zoom: HardZoom | None = None) -> StudentOutput:
-    """Decode every recorded query with the compressed prompt; soft zoom unless hard_zoom is given."""
+                    hard_zoom: HardZoom | None = None, relaxed_topk: bool = False,
+                    temperature: float = 1.0) -> StudentOutput:
+    """Decode every recorded query with the compressed prompt; soft zoom unless hard_zoom is given.
+
+    relaxed_topk: the soft zoom is sigmoid((score - the record's budget threshold) / temperature)
+    instead of sigmoid(score - logit(tau)), so the KL term ranks the spans at the budget's edge."""
     H, Hkv, D = lm.shape.num_heads, lm.shape.num_kv_heads, lm.shape.head_dim
     G = H // Hkv
     qpos = rec.query_pos
@@ -103,7 +121,10 @@ def student_forward(lm: FrozenLM, router: ZoomRouter, rec: TeacherRecord, memori
         if hard_zoom is None:
             g = router.gates(i, mem.singular_k, mem.summary_k)  # [S, Hkv, R]
             ell = router.score_logits(i, q, mem.summary_k, mem.span_len)  # [Q, H, S]
-            zl = ell - router.threshold_logit(i)[:, None]
+            if relaxed_topk:
+                zl = (ell - budget_threshold(ell, mem.span_len, rec.zoom_budget)) / temperature
+            else:
+                zl = ell - router.threshold_logit(i)[:, None]
             log_z, log_not_z = F.logsigmoid(zl), F.logsigmoid(-zl)
             out.score_logits.append(ell)
             out.zoom_logits.append(zl)

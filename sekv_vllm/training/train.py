@@ -125,7 +125,9 @@ def train(config: TrainConfig, *, resume: bool, ship: bool, command: str) -> dic
         rec = train_recs[order.pop()]
         mems = layer_memories(rec, r_max)
         ramp = min(step / max(config.budget_ramp * config.steps, 1), 1.0)
-        losses = router_losses(student_forward(lm, router, rec, mems), rec, mems, config, ramp)
+        losses = router_losses(student_forward(lm, router, rec, mems, relaxed_topk=config.relaxed_topk,
+                                               temperature=config.zoom_temperature), rec, mems,
+                               config, ramp)
         opt.zero_grad()
         losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(router.parameters(), config.clip)

@@ -113,3 +113,16 @@ def test_training_seeds_are_disjoint_from_the_suite(lm):
         TrainConfig.load(None, first_train_seed=0, train_samples=100, first_heldout_seed=50)
     with pytest.raises(TrainConfigError, match="sources"):
         TrainConfig.load(None, sources=["essay", "poetry"])
+
+
+def test_relaxed_topk_threshold_sits_at_the_budget_edge():
+    from sekv_vllm.training.student import budget_threshold
+
+    ell = torch.tensor([[[5.0, 1.0, 3.0, 0.0]]])
+    lens = torch.full((4,), 5)  # each span costs 4 rows
+    assert budget_threshold(ell, lens, 8).item() == 2.0  # takes 5 and 3, leaves 1
+    assert budget_threshold(ell, lens, 0).item() == 5.5  # takes none
+    assert budget_threshold(ell, lens, 100).item() == -0.5  # takes all
+    # sigmoid(score - threshold) is above 1/2 exactly for the spans the hard budgeted top-k takes
+    z = torch.sigmoid(ell - budget_threshold(ell, lens, 8))
+    assert (z > 0.5).flatten().tolist() == [True, False, True, False]
