@@ -15,3 +15,8 @@ def write_block(name: str, body: str, readme: Path = README) -> str:
         raise SystemExit(f"{readme} has no {begin} ... {end} block")
     readme.write_text(re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S))
     return block
+
+
+def table_head(head: list[str]) -> list[str]:
+    """The header and separator lines of a markdown table."""
+    return ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.readme import write_block
+from benchmarks.readme import table_head, write_block
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -30,8 +30,7 @@ def table(result: dict, source: str) -> str:
         f"`VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']}` for both, sekv budget_ratio "
         f"{result['budget_ratio']}, {result['decode_tokens']} decode tokens per request). Source: `{source}`.",
         "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" for _ in head) + " |",
+        *table_head(head),
     ]
     for row in result["rows"]:
         for backend in ("vllm", "sekv"):

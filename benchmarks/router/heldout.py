@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.readme import write_block
+from benchmarks.readme import table_head, write_block
 from sekv_vllm.policies import RouterPolicy, SpanScorePolicy, ZoomPolicy
 from sekv_vllm.router import load_router, resolve_weights
 from sekv_vllm.training.config import TrainConfig
@@ -45,8 +45,7 @@ def table(result: dict) -> str:
         f"budgets {result['budget_ratios']} of the prompt; router `{result['weights']}`). "
         f"Source: `benchmarks/results/router_heldout.json`.",
         "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" for _ in head) + " |",
+        *table_head(head),
     ]
     for name, r in result["policies"].items():
         lines.append(f"| {name} | {r['span_recall']:.3f} | {r['span_mass_zoomed']:.3f} | {r['mean_zoomed_spans']:.2f} "

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.readme import write_block
+from benchmarks.readme import table_head, write_block
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,8 +34,7 @@ def table(summary: dict, source: str) -> str:
         f"{summary['model']}; {summary.get('sample_seconds', summary['seconds_this_run']) / 60:.0f} min of generation "
         f"in all). Source: `{source}`. Accuracy (string_match_all):",
         "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" for _ in head) + " |",
+        *table_head(head),
     ]
     cells = {(r["task"], r["length"], r["backend"], r["budget"]): r for r in rows}
     for task, length in sorted({(r["task"], r["length"]) for r in rows}):

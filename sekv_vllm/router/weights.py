@@ -48,8 +48,9 @@ def read_metadata(path: str | Path) -> dict:
     return meta
 
 
-def load_router(path: str | Path, expected: ModelShape) -> ZoomRouter:
-    """The router stored at `path`, refused unless it was trained for a model of `expected` shape."""
+def check_router(path: str | Path, expected: ModelShape) -> dict:
+    """The metadata of the router file at `path`, refused unless it was trained for a model of
+    `expected` shape (reads the header only)."""
     path = Path(path)
     if not path.is_file():
         raise RouterWeightsError(f"router_weights: no file at {path}")
@@ -61,7 +62,13 @@ def load_router(path: str | Path, expected: ModelShape) -> ZoomRouter:
             f"this model has {expected.describe()}. Train one for it with `sekv-vllm train-router` "
             f"or set zoom_policy to 'span_score'"
         )
-    router = ZoomRouter(shape, d_r=int(meta["d_r"]), r_max=int(meta["r_max"]), gate_hidden=int(meta["gate_hidden"]))
+    return meta
+
+
+def load_router(path: str | Path, expected: ModelShape) -> ZoomRouter:
+    """The router stored at `path`, refused unless it was trained for a model of `expected` shape."""
+    meta = check_router(path, expected)
+    router = ZoomRouter(expected, d_r=int(meta["d_r"]), r_max=int(meta["r_max"]), gate_hidden=int(meta["gate_hidden"]))
     router.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})
     router.requires_grad_(False)
     return router

@@ -4,7 +4,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES
@@ -72,13 +72,15 @@ class TrainConfig(BaseModel):
             raise ValueError(f"budget_ratios {list(ratios)} must be in (0, 1]")
         return ratios
 
-    def model_post_init(self, _context) -> None:
+    @model_validator(mode="after")
+    def _seed_ranges(self) -> "TrainConfig":
         last_train = self.first_train_seed + self.train_samples
         last_held = self.first_heldout_seed + self.heldout_samples
         if max(last_train, last_held) > EVAL_SEED_BASE:
             raise ValueError(f"training seeds must stay below the suite's EVAL_SEED_BASE ({EVAL_SEED_BASE})")
         if self.first_train_seed < last_held and self.first_heldout_seed < last_train:
             raise ValueError("train and held-out seed ranges overlap")
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> "TrainConfig":

@@ -15,6 +15,7 @@ import torch
 
 from sekv_vllm.config import RequestOverrides
 from sekv_vllm.core import SpanLayout
+from sekv_vllm.core.span_summary import span_token_index
 from sekv_vllm.runtime import plan_layout
 from sekv_vllm.training.config import TrainConfig
 from sekv_vllm.training.data import TrainingText
@@ -61,8 +62,8 @@ def positive_spans(mass: torch.Tensor, rho: float) -> torch.Tensor:
 def span_index(layout: SpanLayout, T: int) -> torch.Tensor:
     """[T] int64: the span of each position, S (one past the last) for rows kept at full resolution."""
     idx = torch.full((T,), layout.num_spans, dtype=torch.int64)
-    for s, (a, n) in enumerate(zip(layout.span_start.tolist(), layout.span_len.tolist())):
-        idx[a:a + n] = s
+    pos, valid = span_token_index(layout.span_start, layout.span_len)
+    idx[pos[valid]] = torch.arange(layout.num_spans)[:, None].expand_as(pos)[valid]
     return idx
 
 

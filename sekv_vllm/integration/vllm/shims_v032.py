@@ -125,14 +125,14 @@ def _check_router(config: SeKVConfig, vllm_config) -> None:
     workers then load the resolved file."""
     from pathlib import Path
 
-    from sekv_vllm.router import ModelShape, RouterWeightsError, load_router, resolve_weights
+    from sekv_vllm.router import ModelShape, RouterWeightsError, check_router, resolve_weights
 
     mc = vllm_config.model_config
     hf = mc.hf_text_config
     shape = ModelShape(hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, mc.get_head_size())
     try:
         path = resolve_weights(config.router_weights, Path(mc.model).name)
-        load_router(path, shape)
+        check_router(path, shape)
     except RouterWeightsError as err:
         raise SeKVConfigError(f"sekv.{err}") from None
     settings = {**config.model_dump(), "router_weights": str(path.resolve())}
