@@ -17,7 +17,7 @@ def test_defaults_validate():
         ({"r_max": "many"}, "sekv.r_max: Input should be a valid integer"),
         ({"budget": 10}, "sekv.budget: Extra inputs are not permitted"),
         ({"l_min": 40, "max_span": 64}, "max_span (64) must be at least 2 * l_min (80)"),
-        ({"zoom_policy": "magic"}, "sekv.zoom_policy: Input should be 'router' or 'span_score'"),
+        ({"zoom_policy": "magic"}, "sekv.zoom_policy: Input should be 'auto', 'router' or 'span_score'"),
     ],
 )
 def test_bad_values_name_the_field(raw, message):

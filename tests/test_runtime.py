@@ -6,6 +6,7 @@ import torch
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import exact_attention
 from sekv_vllm.pool import HostPool
+from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
 
 H, HKV, D = 9, 3, 64
@@ -90,3 +91,22 @@ def test_stats_path_gets_one_json_line_per_compressed_request(tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["req_id"] for x in lines] == ["r0", "r1"]
     assert all(x["outcome"] == "finished" and 0 < x["fast_tier_fraction"] < 1 for x in lines)
+
+
+def test_a_request_decodes_the_same_whatever_decodes_beside_it():
+    # bitwise: preemption and continuous batching must not change greedy outputs
+    names = ["l0", "l1"]
+    for policy in ("span_score", "router"):
+        rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, budget_ratio=0.25), names,
+                         ModelShape(30, 9, 3, 64), "SmolLM2-135M-Instruct")
+        g = torch.Generator().manual_seed(5)
+        for r, T in (("a", 500), ("b", 700), ("c", 300)):
+            rt.admit(r, T, None)
+            rt.record_surprisal(r, torch.arange(1, T), torch.rand(T - 1, generator=g) * 5)
+            for n in names:
+                rt.capture(r, n, 0, torch.randn(T, 3, 64, generator=g), torch.randn(T, 3, 64, generator=g))
+            rt.compress(r)
+        q = torch.randn(3, 9, 64, generator=g)
+        alone = rt.attend_batch(["a"], "l1", q[:1], 0.125)[0]
+        assert torch.equal(alone, rt.attend_batch(["c", "a", "b"], "l1", q[[2, 0, 1]], 0.125)[1])
+        assert torch.equal(alone, rt.attend_batch(["a", "b"], "l1", q[:2], 0.125)[0])

@@ -22,6 +22,7 @@ import torch
 from benchmarks.readme import table_head, write_block
 from sekv_vllm.policies import RouterPolicy, SpanScorePolicy, ZoomPolicy
 from sekv_vllm.router import load_router, resolve_weights
+from sekv_vllm.router.weights import read_metadata
 from sekv_vllm.training.config import TrainConfig
 from sekv_vllm.training.evaluate import evaluate_policy
 from sekv_vllm.training.frozen_lm import FrozenLM
@@ -34,22 +35,28 @@ OUT = ROOT / "benchmarks" / "results" / "router_heldout.json"
 class SummariesOnly(ZoomPolicy):
     name = "summaries_only"
 
-    def select(self, layer, q, summary_k, span_len, zoom_budget, scale):
-        return torch.zeros(q.shape[0], span_len.numel(), dtype=torch.bool)
+    def span_scores(self, layer, q, seg, keys, scale):
+        no = torch.zeros(keys.num_spans, q.shape[1])
+        return no, no.bool()  # nothing eligible: nothing zoomed
 
 
 def table(result: dict) -> str:
-    head = ["policy", "span recall", "span mass zoomed", "spans zoomed / head", "KL to full KV", "next-token agreement"]
+    ratios = result["budget_ratios"]
+    head = ["policy", "span recall", "span mass zoomed", "spans zoomed / head",
+            *(f"KL @ {r}" for r in ratios), *(f"agreement @ {r}" for r in ratios)]
     lines = [
-        f"Command: `{result['command']}` ({result['records']} held-out texts, {result['queries']} decode queries, "
-        f"budgets {result['budget_ratios']} of the prompt; router `{result['weights']}`). "
-        f"Source: `benchmarks/results/router_heldout.json`.",
+        f"Command: `{result['command']}` ({result['records']} held-out texts, {result['queries']} decode queries; "
+        f"each text has one of the budgets {ratios} of the prompt; router `{result['weights']}`). "
+        "KL to full KV and next-token agreement of the compressed model, per budget. "
+        "Source: `benchmarks/results/router_heldout.json`.",
         "",
         *table_head(head),
     ]
     for name, r in result["policies"].items():
-        lines.append(f"| {name} | {r['span_recall']:.3f} | {r['span_mass_zoomed']:.3f} | {r['mean_zoomed_spans']:.2f} "
-                     f"| {r['kl_to_full_kv']:.3f} | {r['next_token_agreement']:.3f} |")
+        per = r["by_budget"]
+        lines.append(f"| {name} | {r['span_recall']:.3f} | {r['span_mass_zoomed']:.3f} | {r['mean_zoomed_spans']:.2f} | "
+                     + " | ".join(f"{per[str(b)]['kl_to_full_kv']:.3f}" for b in ratios) + " | "
+                     + " | ".join(f"{per[str(b)]['next_token_agreement']:.3f}" for b in ratios) + " |")
     return "\n".join(lines)
 
 
@@ -63,22 +70,35 @@ def main() -> None:
     lm = FrozenLM(model_path)
     weights = resolve_weights(args.weights, Path(model_path).name)
     router = load_router(weights, lm.shape)
+    trained_centroids = json.loads(read_metadata(weights)["provenance"])["config"]["sekv"].get("score_centroids", 0)
     start = time.time()
     records = teacher_records(lm, config, model_path, heldout=True)
-    r_max = config.sekv.r_max
-    policies = {
-        "router (trained)": evaluate_policy(lm, RouterPolicy(router), router, records, r_max),
-        "router scores, exact keys (no gates)": evaluate_policy(lm, RouterPolicy(router), None, records, r_max),
-        "span_score (untrained)": evaluate_policy(lm, SpanScorePolicy(), None, records, r_max),
-        "summaries only (no zoom)": evaluate_policy(lm, SummariesOnly(), None, records, r_max),
+    r_max, C = config.sekv.r_max, config.sekv.score_centroids
+    # (policy, router whose gates rebuild keys, centroids per span)
+    runs = {
+        f"router (trained), {C} centroids": (RouterPolicy(router), router, C),
+        **({f"router (trained with {trained_centroids}), {trained_centroids} centroids":
+            (RouterPolicy(router), router, trained_centroids)} if trained_centroids != C else {}),
+        "router scores, exact keys (no gates)": (RouterPolicy(router), None, C),
+        f"span_score (untrained), {C} centroids": (SpanScorePolicy(), None, C),
+        "span_score, summary key only (0 centroids)": (SpanScorePolicy(), None, 0),
+        f"span_score, every token ({config.sekv.max_span} centroids: exact span mass)":
+            (SpanScorePolicy(), None, config.sekv.max_span),
+        "summaries only (no zoom)": (SummariesOnly(), None, 0),
     }
+    ratios = sorted({r.text.budget_ratio for r in records}, reverse=True)
+    policies = {}
+    for name, (policy, gates, centroids) in runs.items():
+        res = evaluate_policy(lm, policy, gates, records, r_max, centroids)
+        policies[name] = res
+        print(name, json.dumps({k: v for k, v in res.items() if k != "by_budget"}), flush=True)
     result = {
         "command": f"python -m benchmarks.router.heldout --config {args.config}"
                    + (f" --weights {args.weights}" if args.weights else ""),
         "weights": str(weights.relative_to(ROOT)) if weights.is_relative_to(ROOT) else str(weights),
         "records": len(records),
         "queries": int(sum(r.query_pos.numel() for r in records)),
-        "budget_ratios": list(config.budget_ratios),
+        "budget_ratios": ratios,
         "policies": policies,
         "seconds": round(time.time() - start, 1),
     }

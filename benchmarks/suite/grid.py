@@ -24,6 +24,15 @@ from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
+# "sekv:span_score@c0": a sekv backend with another number of score centroids per span.
+CENTROIDS = "@c"
+
+
+def _centroids_ok(backend: str) -> bool:
+    name, sep, n = backend.partition(CENTROIDS)
+    return not sep or (name.startswith("sekv") and n.isdigit() and 0 <= int(n) <= 32)
+
+
 class GridError(ValueError):
     """A grid specification is invalid; the message names the field and the allowed values."""
 
@@ -46,9 +55,10 @@ class Grid(BaseModel):
     @classmethod
     def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
         allowed = ["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
-        unknown = [b for b in backends if b not in allowed]
+        unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)]
         if unknown or not backends:
-            raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}")
+            raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
+                             f"'{CENTROIDS}N' (score centroids per span, N in 0..32)")
         return backends
 
     @field_validator("tasks")
@@ -77,11 +87,15 @@ class Grid(BaseModel):
 
     def sekv_settings(self, backend: str) -> dict | None:
         """The SeKVConfig fields a sekv backend runs with; None for the other backends."""
-        if backend == "sekv":
-            return dict(self.sekv_config)
-        if backend.startswith("sekv:"):
-            return {**self.sekv_config, "zoom_policy": backend.split(":", 1)[1]}
-        return None
+        if not backend.startswith("sekv"):
+            return None
+        name, _, centroids = backend.partition(CENTROIDS)
+        out = dict(self.sekv_config)
+        if name.startswith("sekv:"):
+            out["zoom_policy"] = name.split(":", 1)[1]
+        if centroids:
+            out["score_centroids"] = int(centroids)
+        return out
 
     def jobs(self) -> list[dict]:
         """Every (backend, budget, task, length, seed, depth, max_tokens) cell; full KV has budget 1.0."""
@@ -111,6 +125,10 @@ PROFILES: dict[str, dict] = {
     "router": {"backends": ("vllm", "sekv:router", "sekv:span_score"),
                "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
                "budgets": (0.25, 0.125, 0.0625)},
+    # Span scoring from key centroids (0: the summary key alone), the untrained score and the router.
+    "centroids": {"backends": ("vllm", "sekv:span_score@c0", "sekv:span_score", "sekv:router"),
+                  "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
+                  "budgets": (0.125, 0.0625)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

@@ -1,7 +1,7 @@
 """Accuracy table (task x length by backend/budget) from a suite summary, into the README.
 
     python -m benchmarks.suite.report --profile quick    # block suite-results
-    python -m benchmarks.suite.report --profile router   # block suite-router
+    python -m benchmarks.suite.report --profile centroids  # block suite-centroids (any other profile: suite-PROFILE)
 """
 from __future__ import annotations
 

@@ -87,6 +87,28 @@ def rebuild_spans_of(span_ids: torch.Tensor, *bases: SpanBases) -> tuple[list[to
     return out, span_ids[:, None].expand_as(index)[valid]
 
 
+def span_factors(bases: SpanBases, span_ids: torch.Tensor, heads: torch.Tensor, length: int,
+                 rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of chosen (span, KV head) pairs, padded to a common shape, no row rebuilt.
+
+    span_ids, heads: [P] int64; length >= their longest span; rank >= the stored rank
+    returns (coef [P, length, rank] float32, zero past each span's end and past its rank;
+             basis [P, rank, D] float32)
+    """
+    S, Hkv, R, D = bases.basis.shape
+    o_l = torch.arange(length)
+    lens = bases.span_len[span_ids][:, None]
+    rows = bases.row_offset[span_ids][:, None] + torch.minimum(o_l[None, :], lens - 1)  # [P, length]
+    # One flat gather each (row * Hkv + head): far cheaper on CPU than two-tensor indexing.
+    coef = bases.coef.reshape(-1, R).index_select(0, (rows * Hkv + heads[:, None]).flatten())
+    coef = coef.view(-1, length, R).float() * (o_l[None, :] < lens)[..., None]  # [P, length, R]
+    basis = bases.basis.reshape(S * Hkv, R, D).index_select(0, span_ids * Hkv + heads).float()  # [P, R, D]
+    if rank > R:
+        coef = torch.nn.functional.pad(coef, (0, rank - R))
+        basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - R))
+    return coef, basis
+
+
 def span_of_rows(bases: SpanBases) -> torch.Tensor:
     """[P] int64: the span of every coefficient row."""
     return torch.repeat_interleave(torch.arange(bases.span_len.numel()), bases.span_len)

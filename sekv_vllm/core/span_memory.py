@@ -1,4 +1,5 @@
-"""The compressed prompt memory of one layer: summaries (fast tier) and low-rank bases (host pool)."""
+"""The compressed prompt memory of one layer: summaries and scoring keys (fast tier) and low-rank
+bases (host pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,22 +10,32 @@ import torch
 from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans_of, singular_values
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
+from sekv_vllm.core.span_keys import SpanKeys, span_keys
 from sekv_vllm.core.span_summary import summarize_spans
 
 
 @dataclass(frozen=True)
 class LayerSpanMemory:
-    """summary_k, summary_v: [S, Hkv, D]; span_len: [S] int64; bases for keys and values."""
+    """keys: summary keys, span lengths and scoring centroids; summary_v: [S, Hkv, D]; bases for
+    keys and values."""
 
-    summary_k: torch.Tensor
+    keys: SpanKeys
     summary_v: torch.Tensor
-    span_len: torch.Tensor
     bases_k: SpanBases
     bases_v: SpanBases
 
     @property
-    def summary_nbytes(self) -> int:
-        return 2 * self.summary_k.numel() * self.summary_k.element_size()
+    def summary_k(self) -> torch.Tensor:
+        return self.keys.summary_k
+
+    @property
+    def span_len(self) -> torch.Tensor:
+        return self.keys.span_len
+
+    @property
+    def fast_tier_nbytes(self) -> int:
+        """Summary rows (K and V) and scoring centroids."""
+        return 2 * self.summary_k.numel() * self.summary_k.element_size() + self.keys.centroid_nbytes
 
     @property
     def bases_nbytes(self) -> int:
@@ -36,9 +47,10 @@ KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
-    key_gates: KeyGates | None = None,
+    score_centroids: int = 0, key_gates: KeyGates | None = None,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
+    score_centroids: key centroids per span for zoom scoring (0: the summary key alone).
 
     key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
     gates of the keys (the trained router's), folded into the stored coefficients.
@@ -51,9 +63,8 @@ def compress_layer(
         if gates is not None:
             bases_k = gate_bases(bases_k, gates)
     return LayerSpanMemory(
-        summary_k,
+        span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids),
         summary_v,
-        layout.span_len,
         bases_k,
         fit_span_bases(v, layout.span_start, layout.span_len, r_max),
     )

@@ -6,46 +6,71 @@ from typing import ClassVar
 
 import torch
 
+from sekv_vllm.core import SpanKeys
 
-def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int, num_kv_heads: int,
-                  eligible: torch.Tensor | None = None) -> torch.Tensor:
-    """Zoom spans by descending score until the extra rows would pass the budget.
 
-    score:       [H, S] float  higher = more needed
-    span_len:    [S] int64
-    zoom_budget: extra rows allowed per KV head; zooming span s costs |s| - 1 rows
-                 (its tokens replace its summary row)
-    eligible:    [H, S] bool or None; a span no head of a group finds eligible is not zoomed
-    returns      [H, S] bool, the same for every query head of a KV group
+def segment_budgeted_zoom(score: torch.Tensor, seg: torch.Tensor, span_len: torch.Tensor, budgets: torch.Tensor,
+                          num_kv_heads: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Per request, zoom spans by descending score until the extra rows would pass its budget.
+
+    score:    [S, H] float  higher = more needed; the spans of all requests, request by request
+    seg:      [S] int64     request of each span, non-decreasing
+    span_len: [S] int64
+    budgets:  [B] int64     extra rows allowed per KV head of each request; zooming span s costs
+                            |s| - 1 rows (its tokens replace its summary row)
+    eligible: [S, H] bool or None; a span no head of a group finds eligible is not zoomed
+    returns   [S, H] bool, the same for every query head of a KV group
     """
-    H, S = score.shape
+    S, H = score.shape
     G = H // num_kv_heads
     if eligible is not None:
         score = score.masked_fill(~eligible, float("-inf"))
-    group_score = score.view(num_kv_heads, G, S).amax(dim=1)  # [Hkv, S]
-    order = torch.argsort(group_score, dim=1, descending=True)
-    cost = (span_len - 1)[order]  # [Hkv, S]
-    take_sorted = torch.cumsum(cost, dim=1) <= zoom_budget
+    group = score.view(S, num_kv_heads, G).amax(dim=2)  # [S, Hkv]
+    # Sort by descending score, then (stably) by request: each request's spans best first.
+    by_score = torch.argsort(group, dim=0, descending=True, stable=True)
+    order = by_score.gather(0, torch.argsort(seg[by_score], dim=0, stable=True))
+    cost = (span_len - 1)[order]  # [S, Hkv]
+    total = torch.cumsum(cost, dim=0)
+    first = torch.searchsorted(seg, seg, right=False)  # first row of each span's request
+    before = torch.cat([total.new_zeros(1, num_kv_heads), total])[first]  # cost of earlier requests
+    take_sorted = (total - before) <= budgets[seg][:, None]
     if eligible is not None:
-        take_sorted &= torch.gather(group_score, 1, order) > float("-inf")
-    take = torch.zeros_like(take_sorted).scatter(1, order, take_sorted)
-    return take.repeat_interleave(G, dim=0)
+        take_sorted &= group.gather(0, order) > float("-inf")
+    take = torch.zeros_like(take_sorted).scatter(0, order, take_sorted)
+    return take.repeat_interleave(G, dim=1)
+
+
+def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int, num_kv_heads: int,
+                  eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """`segment_budgeted_zoom` for one request: score, eligible [H, S] -> zoom [H, S] bool."""
+    S = span_len.numel()
+    zoom = segment_budgeted_zoom(score.T, torch.zeros(S, dtype=torch.int64), span_len,
+                                 torch.tensor([zoom_budget]), num_kv_heads, None if eligible is None else eligible.T)
+    return zoom.T
 
 
 class ZoomPolicy(ABC):
-    """Chooses zoomed spans for one request, one layer, one decode step.
+    """Chooses zoomed spans for one layer and decode step, for one request or many at once.
 
-    Shapes: q [H, D] post-RoPE query; summary_k [S, Hkv, D]; span_len [S] int64.
+    Shapes: keys: a layer's summary keys, span lengths and scoring centroids (`SpanKeys`, S spans,
+    of one request or of several one after another); q [B, H, D]: the requests' post-RoPE
+    queries; seg [S] int64: the request of each span.
     """
 
     name: ClassVar[str]
 
     @abstractmethod
-    def select(
-        self, layer: int, q: torch.Tensor, summary_k: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """Returns zoom [H, S] bool."""
+    def span_scores(self, layer: int, q: torch.Tensor, seg: torch.Tensor, keys: SpanKeys,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(score [S, H] float, eligible [S, H] bool or None): spans go by descending score, and only
+        eligible ones."""
+
+    def select(self, layer: int, q: torch.Tensor, keys: SpanKeys, zoom_budget: int, scale: float) -> torch.Tensor:
+        """One request: q [H, D] -> zoom [H, S] bool."""
+        seg = torch.zeros(keys.num_spans, dtype=torch.int64)
+        score, eligible = self.span_scores(layer, q[None], seg, keys, scale)
+        return budgeted_zoom(score.T, keys.span_len, zoom_budget, keys.summary_k.shape[1],
+                             None if eligible is None else eligible.T)
 
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
         """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""

@@ -2,12 +2,13 @@
 by descending score until the budget is spent; keys rebuilt through the learned gates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from sekv_vllm.policies.base import ZoomPolicy, budgeted_zoom
+from sekv_vllm.core import SpanKeys
+from sekv_vllm.policies.base import ZoomPolicy
 from sekv_vllm.router import ZoomRouter
 
 
@@ -15,15 +16,17 @@ from sekv_vllm.router import ZoomRouter
 class RouterPolicy(ZoomPolicy):
     router: ZoomRouter
     name: ClassVar[str] = "router"
+    # Per layer, the last spans scored and their projected keys: reused while a batch decodes.
+    _projected: dict = field(default_factory=dict, compare=False, repr=False)
 
     @torch.no_grad()
-    def select(
-        self, layer: int, q: torch.Tensor, summary_k: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
-        scale: float,
-    ) -> torch.Tensor:
-        logits = self.router.score_logits(layer, q, summary_k, span_len)  # [H, S]
-        eligible = logits > self.router.threshold_logit(layer)[:, None]
-        return budgeted_zoom(logits, span_len, zoom_budget, summary_k.shape[1], eligible)
+    def span_scores(self, layer: int, q: torch.Tensor, seg: torch.Tensor, keys: SpanKeys,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self._projected.get(layer)
+        if hit is None or hit[0] is not keys:
+            hit = self._projected[layer] = (keys, self.router.projected_keys(layer, keys))
+        score = self.router.score_rows(layer, q, seg, keys, hit[1])  # [S, H]
+        return score, score > self.router.threshold_logit(layer)[None, :]
 
     @torch.no_grad()
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor:

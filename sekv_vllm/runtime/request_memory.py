@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
-from sekv_vllm.core import LayerSpanMemory, SpanLayout, attend_memory, compress_layer, segment_prompt
-from sekv_vllm.policies import ZoomPolicy, make_policy
+from sekv_vllm.core import LayerSpanMemory, SpanKeys, SpanLayout, compress_layer, concat_span_keys, segment_prompt
+from sekv_vllm.core.batched_attention import batched_mixed_attention
+from sekv_vllm.core.low_rank import span_factors
+from sekv_vllm.policies import ZoomPolicy, make_policy, segment_budgeted_zoom
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.row_buffer import RowBuffer
@@ -49,8 +51,26 @@ class RequestMemory:
     # (anchors and short runs, then window and generated tokens, in position order).
     rows: dict[str, RowBuffer] = field(default_factory=dict)
     decode_calls: int = 0
-    zoomed_spans_total: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    zoomed_spans_total: int = 0
     figures: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BatchSpans:
+    """The spans of one layer of the requests decoding together, one request after another.
+
+    keys: concatenated summary keys and scoring centroids; summary_v [S, Hkv, D]; seg [S] the
+    request (batch position) of each span; budgets [B] zoom rows per KV head; zoom_all [B] bool.
+    """
+
+    req_ids: tuple[str, ...]
+    keys: SpanKeys
+    summary_v: torch.Tensor
+    seg: torch.Tensor
+    budgets: torch.Tensor
+    zoom_all: torch.Tensor
+    span_offset: list[int]
+    span_count: list[int]
 
 
 def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
@@ -82,6 +102,8 @@ class SeKVRuntime:
                                               router_weights=config.router_weights)
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
+        # Per layer, the spans of the last batch that decoded (reused while the batch is unchanged).
+        self._batch_cache: dict[str, BatchSpans] = {}
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
 
@@ -152,6 +174,7 @@ class SeKVRuntime:
         for i, name in enumerate(self.layer_names):
             k, v = mem.rows[name].view()
             layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max,
+                                   0 if zoom_all else cfg.score_centroids,
                                    None if zoom_all else functools.partial(self.policy.key_gates, i))
             if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
                 self.pool.release(req_id)
@@ -174,7 +197,7 @@ class SeKVRuntime:
         L = len(self.layer_names)
         k0 = mem.rows[self.layer_names[0]].k
         row_bytes = 2 * k0[0].numel() * k0.element_size()
-        summary_bytes = sum(self.pool.load(req_id, name).summary_nbytes for name in self.layer_names)
+        span_fast_bytes = sum(self.pool.load(req_id, name).fast_tier_nbytes for name in self.layer_names)
         mem.figures = {
             "req_id": req_id,
             "prompt_tokens": mem.prompt_len,
@@ -187,8 +210,9 @@ class SeKVRuntime:
             "zoom_budget_rows": mem.zoom_budget,
             "budget_exceeded_by_base": max(layout.base_rows - mem.budget, 0),
             "full_kv_bytes": mem.prompt_len * row_bytes * L,
-            # what the method needs in the fast tier: fixed rows + summaries + zoom scratch
-            "fast_tier_bytes": (layout.num_fixed * row_bytes * L + summary_bytes
+            # what the method needs in the fast tier: fixed rows + summaries and scoring centroids
+            # + zoom scratch
+            "fast_tier_bytes": (layout.num_fixed * row_bytes * L + span_fast_bytes
                                 + mem.zoom_budget * row_bytes * L),
             "host_pool_bytes": self.pool.owner_bytes(req_id),
         }
@@ -215,17 +239,75 @@ class SeKVRuntime:
     # -- decode ------------------------------------------------------------------------
     def attend(self, req_id: str, layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [H, D] post-RoPE query of the newest token (already captured); returns [H, D] float32."""
-        mem = self.requests[req_id]
-        layer = self.pool.load(req_id, layer_name)
-        full_k, full_v = mem.rows[layer_name].view()
-        if mem.zoom_all:
-            zoom = torch.ones(q.shape[0], layer.span_len.numel(), dtype=torch.bool)
+        return self.attend_batch([req_id], layer_name, q[None], scale)[0]
+
+    def attend_batch(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Many compressed requests' newest tokens at once: q [B, H, D] -> [B, H, D] float32.
+
+        Zoomed spans are attended through their low-rank factors (`batched_mixed_attention`);
+        the result is each request's own mixed attention. The spans' summaries and
+        scoring keys of a batch are concatenated once per layer and reused while the batch's
+        requests stay the same (continuous batching changes them only when one joins or ends).
+        """
+        batch = self._batch_spans(req_ids, layer_name)
+        layer = self.layer_index[layer_name]
+        score, eligible = self.policy.span_scores(layer, q, batch.seg, batch.keys, scale)
+        zoom = segment_budgeted_zoom(score, batch.seg, batch.keys.span_len, batch.budgets,
+                                     batch.keys.summary_k.shape[1], eligible)
+        zoom |= batch.zoom_all[batch.seg][:, None]
+        zoomed = zoom.any(dim=1)
+        # The factors of every zoomed (span, KV head) pair; no row is rebuilt: the attention works
+        # on them (`batched_mixed_attention`).
+        Hkv, D = batch.keys.summary_k.shape[1:]
+        pair_span, pair_head = torch.nonzero(zoom.view(zoom.shape[0], Hkv, -1).any(dim=2), as_tuple=True)
+        pair_req = batch.seg[pair_span]
+        parts = []
+        for i in torch.unique(pair_req).tolist():
+            mine = pair_req == i
+            parts.append((self.pool.load(req_ids[i], layer_name), pair_span[mine] - batch.span_offset[i], pair_head[mine]))
+        if parts:
+            # Padded to the largest possible span and rank, not this batch's: a request's result
+            # then does not depend on which others decode with it (bitwise: preemption and
+            # batching do not change greedy outputs).
+            L = self.config.max_span
+            R = min(L, D, self.config.r_max)
+            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, R) for m, s_, h in parts)))
+            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, R) for m, s_, h in parts)))
         else:
-            zoom = self.policy.select(self.layer_index[layer_name], q, layer.summary_k, layer.span_len,
-                                      mem.zoom_budget, scale)
-        mem.decode_calls += 1
-        mem.zoomed_spans_total += zoom.any(dim=0).sum()
-        return attend_memory(q, full_k, full_v, layer, zoom, scale)
+            coef_k = coef_v = torch.zeros(0, 1, 1)
+            basis_k = basis_v = torch.zeros(0, 1, D)
+        full = [self.requests[r].rows[layer_name].view() for r in req_ids]
+        out = batched_mixed_attention(
+            q, [k for k, _ in full], [v for _, v in full], batch.keys.summary_k, batch.summary_v,
+            batch.keys.span_len, batch.seg, zoom, pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, scale,
+        )
+        counts = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoomed.long()).tolist()
+        for req_id, c in zip(req_ids, counts):
+            mem = self.requests[req_id]
+            mem.decode_calls += 1
+            mem.zoomed_spans_total += c
+        return out
+
+    def _batch_spans(self, req_ids: list[str], layer_name: str) -> "BatchSpans":
+        key = tuple(req_ids)
+        cached = self._batch_cache.get(layer_name)
+        if cached is not None and cached.req_ids == key:
+            return cached
+        layers = [self.pool.load(r, layer_name) for r in req_ids]
+        counts = [m.keys.num_spans for m in layers]
+        mems = [self.requests[r] for r in req_ids]
+        batch = BatchSpans(
+            req_ids=key,
+            keys=concat_span_keys([m.keys for m in layers]),
+            summary_v=torch.cat([m.summary_v for m in layers]),
+            seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
+            budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
+            zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
+            span_offset=[sum(counts[:b]) for b in range(len(counts))],
+            span_count=counts,
+        )
+        self._batch_cache[layer_name] = batch
+        return batch
 
     def is_active(self, req_id: str) -> bool:
         """Whether the request's rows must be captured (prefilling or compressed)."""
@@ -241,13 +323,14 @@ class SeKVRuntime:
         return dict(
             mem.figures,
             decode_steps=mem.decode_calls // max(len(self.layer_names), 1),
-            mean_zoomed_spans=float(mem.zoomed_spans_total) / max(mem.decode_calls, 1),
+            mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
         )
 
     def release(self, req_id: str, *, outcome: str) -> dict | None:
         """Free both tiers of a request; returns its figures if it was compressed."""
         figures = self.figures(req_id) if req_id in self.requests else {}
         self.requests.pop(req_id, None)
+        self._batch_cache = {n: b for n, b in self._batch_cache.items() if req_id not in b.req_ids}
         self.pool.release(req_id)
         if not figures:
             return None

@@ -18,27 +18,29 @@ from sekv_vllm.training.teacher import TeacherRecord
 
 @torch.no_grad()
 def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None, records: list[TeacherRecord],
-                    r_max: int) -> dict:
-    """router: whose gates rebuild the keys (None: exact rebuild)."""
-    recall, mass_share, kls, agree, zoomed = [], [], [], [], []
+                    r_max: int, score_centroids: int) -> dict:
+    """router: whose gates rebuild the keys (None: exact rebuild); score_centroids: per span (0: summary).
+    KL and agreement are also given per budget ratio of the records (`by_budget`)."""
+    recall, mass_share, kls, agree, zoomed, ratios = [], [], [], [], [], []
 
-    def hard_zoom(layer, q, summary_k, span_len, zoom_budget):
-        return torch.stack([policy.select(layer, q[j], summary_k, span_len, zoom_budget, lm.scale)
+    def hard_zoom(layer, q, keys, zoom_budget):
+        return torch.stack([policy.select(layer, q[j], keys, zoom_budget, lm.scale)
                             for j in range(q.shape[0])])
 
     for rec in records:
         if rec.layout.num_spans == 0:
             continue
-        mems = layer_memories(rec, r_max)
+        mems = layer_memories(rec, r_max, score_centroids)
         for i in range(len(mems)):
             q = rec.q[i].float()  # teacher queries: what the policy sees at this layer
-            zoom = hard_zoom(i, q, mems[i].summary_k, mems[i].span_len, rec.zoom_budget)  # [Q, H, S]
+            zoom = hard_zoom(i, q, mems[i].keys, rec.zoom_budget)  # [Q, H, S]
             labels, mass = rec.labels[:, i], rec.span_mass[:, i]
             has_pos = labels.any(dim=-1)
             recall.append(((zoom & labels).sum(-1).float() / labels.sum(-1).clamp(min=1))[has_pos])
             mass_share.append(((zoom * mass).sum(-1) / mass.sum(-1).clamp(min=1e-12))[has_pos])
             zoomed.append(zoom.sum(-1).float().flatten())
         out = student_forward(lm, router, rec, mems, hard_zoom=hard_zoom)
+        ratios.append(rec.text.budget_ratio)
         kls.append(kl_to_teacher(rec.logp, out.logp))
         agree.append((out.logp.argmax(-1) == rec.logp.float().argmax(-1)).float().mean())
     return {
@@ -48,4 +50,10 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
         "kl_to_full_kv": float(torch.stack(kls).mean()),
         "next_token_agreement": float(torch.stack(agree).mean()),
         "records": len(kls),
+        "by_budget": {
+            str(b): {"kl_to_full_kv": float(torch.stack([x for x, r in zip(kls, ratios) if r == b]).mean()),
+                     "next_token_agreement": float(torch.stack([x for x, r in zip(agree, ratios) if r == b]).mean()),
+                     "records": ratios.count(b)}
+            for b in sorted(set(ratios), reverse=True)
+        },
     }

@@ -19,15 +19,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sekv_vllm.core import fit_span_bases, singular_values, summarize_spans
+from sekv_vllm.core import SpanKeys, fit_span_bases, singular_values, span_keys, summarize_spans
 from sekv_vllm.core.low_rank import span_of_rows
 from sekv_vllm.core.span_summary import span_token_index
 from sekv_vllm.router import ZoomRouter
 from sekv_vllm.training.frozen_lm import FrozenLM
 from sekv_vllm.training.teacher import TeacherRecord
 
-# (layer, q [Q, H, D], summary_k [S, Hkv, D], span_len [S], zoom_budget) -> zoom [Q, H, S] bool
-HardZoom = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (layer, q [Q, H, D], the layer's span keys, zoom_budget) -> zoom [Q, H, S] bool
+HardZoom = Callable[[int, torch.Tensor, SpanKeys, int], torch.Tensor]
 
 
 @dataclass
@@ -36,9 +36,8 @@ class LayerMemory:
 
     fixed_k: torch.Tensor  # [N, Hkv, D]
     fixed_v: torch.Tensor
-    summary_k: torch.Tensor  # [S, Hkv, D]
-    summary_v: torch.Tensor
-    span_len: torch.Tensor  # [S]
+    keys: SpanKeys  # summary keys [S, Hkv, D], span lengths, scoring centroids
+    summary_v: torch.Tensor  # [S, Hkv, D]
     coef_k: torch.Tensor  # [S, Hkv, Lmax, R] U diag(s) of each span's tokens, zero-padded
     basis_k: torch.Tensor  # [S, Hkv, R, D]
     valid: torch.Tensor  # [S, Lmax] bool: real tokens of the padded spans
@@ -48,8 +47,16 @@ class LayerMemory:
     cont_k: torch.Tensor  # [C, Hkv, D] continuation rows, positions T0 .. T-1
     cont_v: torch.Tensor
 
+    @property
+    def summary_k(self) -> torch.Tensor:
+        return self.keys.summary_k
 
-def layer_memories(rec: TeacherRecord, r_max: int) -> list[LayerMemory]:
+    @property
+    def span_len(self) -> torch.Tensor:
+        return self.keys.span_len
+
+
+def layer_memories(rec: TeacherRecord, r_max: int, score_centroids: int) -> list[LayerMemory]:
     layout = rec.layout
     T0 = rec.text.prompt_len
     fixed = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, T0)])
@@ -61,11 +68,12 @@ def layer_memories(rec: TeacherRecord, r_max: int) -> list[LayerMemory]:
         bases = fit_span_bases(k[:T0], layout.span_start, layout.span_len, r_max)
         row_idx, _ = span_token_index(bases.row_offset, bases.span_len)
         coef = (bases.coef.float()[row_idx] * valid[:, :, None, None]).permute(0, 2, 1, 3)  # [S, Hkv, Lmax, R]
+        summary_k = summarize_spans(k[:T0], rec.surprisal, layout.span_start, layout.span_len)
         out.append(LayerMemory(
             k[fixed], v[fixed],
-            summarize_spans(k[:T0], rec.surprisal, layout.span_start, layout.span_len),
+            span_keys(k[:T0], summary_k, layout.span_start, layout.span_len, score_centroids),
             summarize_spans(v[:T0], rec.surprisal, layout.span_start, layout.span_len),
-            layout.span_len, coef, bases.basis.float(), valid, singular_values(bases),
+            coef, bases.basis.float(), valid, singular_values(bases),
             v[span_pos], span_of_rows(bases), k[T0:], v[T0:],
         ))
     return out
@@ -120,7 +128,7 @@ def student_forward(lm: FrozenLM, router: ZoomRouter, rec: TeacherRecord, memori
         S = mem.span_len.numel()
         if hard_zoom is None:
             g = router.gates(i, mem.singular_k, mem.summary_k)  # [S, Hkv, R]
-            ell = router.score_logits(i, q, mem.summary_k, mem.span_len)  # [Q, H, S]
+            ell = router.score_logits(i, q, mem.keys)  # [Q, H, S]
             if relaxed_topk:
                 zl = (ell - budget_threshold(ell, mem.span_len, rec.zoom_budget)) / temperature
             else:
@@ -131,7 +139,7 @@ def student_forward(lm: FrozenLM, router: ZoomRouter, rec: TeacherRecord, memori
             out.gates.append(g)
         else:
             g = router.gates(i, mem.singular_k, mem.summary_k) if router is not None else None
-            zoom = hard_zoom(i, q.detach(), mem.summary_k, mem.span_len, rec.zoom_budget)
+            zoom = hard_zoom(i, q.detach(), mem.keys, rec.zoom_budget)
             log_z = torch.zeros(Q, H, S).masked_fill(~zoom, float("-inf"))
             log_not_z = torch.zeros(Q, H, S).masked_fill(zoom, float("-inf"))
         coef = mem.coef_k if g is None else mem.coef_k * g[:, :, None, :]

@@ -46,9 +46,11 @@ def model_path_of(config: TrainConfig) -> str:
 
 def teacher_fingerprint(config: TrainConfig, model_path: str) -> str:
     """What the teacher records depend on: model, data and segmentation settings."""
-    fields = ["sources", "lengths", "essay_continuation", "queries", "budget_ratios", "sekv", "rho"]
-    raw = json.dumps({"model": str(Path(model_path).resolve()), **json.loads(config.model_dump_json(include=set(fields)))},
-                     sort_keys=True)
+    fields = ["sources", "lengths", "essay_continuation", "queries", "budget_ratios", "rho"]
+    data = json.loads(config.model_dump_json(include=set(fields)))
+    # The layout under each text's budget; how spans are scored and zoomed later is not recorded.
+    data["sekv"] = config.sekv.model_dump(include={"window", "alpha", "l_min", "max_span", "zoom_share"})
+    raw = json.dumps({"model": str(Path(model_path).resolve()), **data}, sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -123,7 +125,7 @@ def train(config: TrainConfig, *, resume: bool, ship: bool, command: str) -> dic
             order = list(range(len(train_recs)))
             random.shuffle(order)
         rec = train_recs[order.pop()]
-        mems = layer_memories(rec, r_max)
+        mems = layer_memories(rec, r_max, config.sekv.score_centroids)
         ramp = min(step / max(config.budget_ramp * config.steps, 1), 1.0)
         losses = router_losses(student_forward(lm, router, rec, mems, relaxed_topk=config.relaxed_topk,
                                                temperature=config.zoom_temperature), rec, mems,
@@ -148,8 +150,8 @@ def train(config: TrainConfig, *, resume: bool, ship: bool, command: str) -> dic
 
     router.requires_grad_(False)
     evaluation = {
-        "router": evaluate_policy(lm, RouterPolicy(router), router, held_recs, r_max),
-        "span_score": evaluate_policy(lm, SpanScorePolicy(), None, held_recs, r_max),
+        "router": evaluate_policy(lm, RouterPolicy(router), router, held_recs, r_max, config.sekv.score_centroids),
+        "span_score": evaluate_policy(lm, SpanScorePolicy(), None, held_recs, r_max, config.sekv.score_centroids),
     }
     params = router.parameter_count()
     base_params = sum(p.numel() for p in lm.model.parameters())

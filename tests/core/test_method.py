@@ -134,7 +134,7 @@ def test_odd_prompts(case):
 def test_budget_is_never_exceeded(budget):
     q, k, v, s = make_prompt(1500, seed=6)
     layout = segment_prompt(s, window=32, alpha=1.0, l_min=4, max_span=64, budget=budget)
-    mem = compress_layer(k, v, layout, s, r_max=16)
+    mem = compress_layer(k, v, layout, s, r_max=16, score_centroids=4)
     if layout.base_rows > budget:
         # only possible when even token 0 + window + minimal spans do not fit
         assert layout.fixed_pos.tolist() == [0]
@@ -144,7 +144,7 @@ def test_budget_is_never_exceeded(budget):
     for name in POLICIES:
         policy = (RouterPolicy(ZoomRouter(ModelShape(1, H, HKV, D), r_max=16)) if name == "router"
                   else make_policy(name))
-        zoom = policy.select(0, q, mem.summary_k, mem.span_len, zoom_budget, 1 / math.sqrt(D))
+        zoom = policy.select(0, q, mem.keys, zoom_budget, 1 / math.sqrt(D))
         per_kv = zoom.view(HKV, H // HKV, -1)[:, 0]
         extra = (per_kv.float() * (mem.span_len - 1).float()).sum(dim=1)
         assert (extra <= zoom_budget).all()

@@ -78,10 +78,10 @@ def test_needle_in_2k_haystack_found_at_quarter_budget(compressed_run):
     found = []
     for sample, out, fig in zip(needles, result["outputs"], result["figures"]):
         assert fig is not None and fig["budget_rows"] <= 0.25 * fig["prompt_tokens"] + 1
-        assert fig["fast_tier_fraction"] < 0.3
+        assert fig["fast_tier_fraction"] < 0.35  # 0.25 of the rows + float16 scoring centroids
         found.append(score(sample.answers, out["text"]))
-    # Measured: the untrained zoom score finds 2 of these 3 (it misses depth 0.2); this guards
-    # that level. benchmarks/ has the full picture; the trained router is to close the gap.
+    # Measured: the default policy (the shipped router) finds all 3, the untrained score 1 to 2;
+    # this guards that level. benchmarks/ has the full picture.
     assert sum(found) >= 2, [o["text"] for o in result["outputs"][:3]]
 
 

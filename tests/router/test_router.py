@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.core import compress_layer, gate_bases, fit_span_bases, rebuild_spans, segment_prompt, singular_values
+from sekv_vllm.core import SpanKeys, compress_layer, gate_bases, fit_span_bases, rebuild_spans, segment_prompt, singular_values
 from sekv_vllm.policies import RouterPolicy, make_policy
 from sekv_vllm.router import ModelShape, RouterWeightsError, ZoomRouter, load_router, resolve_weights, save_router
 from sekv_vllm.runtime import SeKVRuntime
@@ -21,11 +21,12 @@ def test_shapes_and_parameter_count():
     # at start the learned term is small: the router ranks spans as the untrained score does
     from sekv_vllm.policies import SpanScorePolicy
     qq, kk, ll = torch.randn(H, D), torch.randn(30, 2, D), torch.randint(4, 9, (30,))
-    want = SpanScorePolicy().select(0, qq, kk, ll, 40, 1 / math.sqrt(D))
-    got = RouterPolicy(ZoomRouter(SHAPE, w_init=0.0)).select(0, qq, kk, ll, 40, 1 / math.sqrt(D))
+    keys = SpanKeys.of_summaries(kk, ll)
+    want = SpanScorePolicy().select(0, qq, keys, 40, 1 / math.sqrt(D))
+    got = RouterPolicy(ZoomRouter(SHAPE, w_init=0.0)).select(0, qq, keys, 40, 1 / math.sqrt(D))
     assert torch.equal(got, want)
     q, sk, lens = torch.randn(5, H, D), torch.randn(7, 2, D), torch.randint(4, 9, (7,))
-    assert r.score_logits(1, q, sk, lens).shape == (5, H, 7)
+    assert r.score_logits(1, q, SpanKeys.of_summaries(sk, lens)).shape == (5, H, 7)
     g = r.gates(2, torch.rand(7, 2, 3).sort(-1, descending=True).values, sk)
     assert g.shape == (7, 2, 3) and ((g > 0) & (g < 1)).all()
     assert r.threshold_logit(0).shape == (H,)
@@ -43,13 +44,13 @@ def test_score_is_the_untrained_score_plus_the_learned_term():
     with torch.no_grad():
         r.bias[1] = torch.arange(6.0)
     q, sk, lens = torch.randn(6, 16), torch.randn(4, 2, 16), torch.tensor([4, 8, 16, 32])
-    got = r.score_logits(1, q, sk, lens)
+    got = r.score_logits(1, q, SpanKeys.of_summaries(sk, lens))
     for h in range(6):
         W = r.W[1, h]
         for s in range(4):
             kp = torch.nn.functional.normalize(W @ sk[s, h // 3], dim=0)
             base = q[h] @ sk[s, h // 3] / math.sqrt(16)
-            want = base + (W @ q[h]) @ kp / math.sqrt(8) + math.log(lens[s]) + h
+            want = base + (W @ q[h]) @ kp / math.sqrt(8) + float(torch.tensor(math.log(lens[s])).half()) + h
             assert torch.isclose(got[h, s], want, atol=1e-4)
 
 
@@ -74,11 +75,12 @@ def test_router_policy_respects_budget_and_threshold():
     r = ZoomRouter(SHAPE)
     policy = RouterPolicy(r)
     q, sk, lens = torch.randn(6, 16), torch.randn(10, 2, 16), torch.full((10,), 8)
-    zoom = policy.select(0, q, sk, lens, zoom_budget=7 * 3, scale=0.25)
+    keys = SpanKeys.of_summaries(sk, lens)
+    zoom = policy.select(0, q, keys, zoom_budget=7 * 3, scale=0.25)
     assert zoom.view(2, 3, 10)[:, 0].sum(dim=1).le(3).all()  # 3 spans of cost 7 per KV head
     with torch.no_grad():
         r.tau_logit[0] = 100.0  # nothing passes the threshold
-    assert not policy.select(0, q, sk, lens, zoom_budget=1000, scale=0.25).any()
+    assert not policy.select(0, q, keys, zoom_budget=1000, scale=0.25).any()
 
 
 def test_weights_round_trip(tmp_path):
@@ -90,8 +92,9 @@ def test_weights_round_trip(tmp_path):
     for name, p in r.state_dict().items():
         assert torch.equal(back.state_dict()[name], p.half().float()), name
     q, sk, lens = torch.randn(6, 16), torch.randn(10, 2, 16), torch.randint(4, 9, (10,))
-    assert torch.equal(RouterPolicy(back).select(0, q, sk, lens, 20, 0.25),
-                       RouterPolicy(r.half().float()).select(0, q, sk, lens, 20, 0.25))
+    keys = SpanKeys.of_summaries(sk, lens)
+    assert torch.equal(RouterPolicy(back).select(0, q, keys, 20, 0.25),
+                       RouterPolicy(r.half().float()).select(0, q, keys, 20, 0.25))
 
 
 def test_mismatched_weights_are_refused(tmp_path):
@@ -152,3 +155,18 @@ def test_a_budget_covering_every_span_attends_exactly_whatever_the_router(tmp_pa
     q = torch.randn(6, 16)
     k, v = rows["l1"]
     assert torch.allclose(rt.attend("a", "l1", q, 0.25), exact_attention(q, k, v, 0.25), atol=1e-4)
+
+
+def test_span_wise_scores_match_the_all_pairs_scores():
+    # serving scores each span for its own request's query; training scores all pairs
+    r = ZoomRouter(SHAPE, seed=1, w_init=0.3)
+    g = torch.Generator().manual_seed(2)
+    keys = SpanKeys(torch.randn(9, 2, 16, generator=g), torch.randint(4, 9, (9,), generator=g),
+                    torch.randn(9, 3, 2, 16, generator=g).half(), torch.rand(9, 3, 2, generator=g).half())
+    seg = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    q = torch.randn(3, 6, 16, generator=g)
+    rows = r.score_rows(2, q, seg, keys)
+    pairs = r.score_logits(2, q, keys)  # [3, H, S]
+    assert torch.allclose(rows, pairs[seg, :, torch.arange(9)], atol=1e-5)
+    score, eligible = RouterPolicy(r).span_scores(2, q, seg, keys, 0.25)
+    assert torch.equal(score, rows) and torch.equal(eligible, rows > r.threshold_logit(2)[None, :])

@@ -45,8 +45,8 @@ def test_future_tokens_do_not_change_earlier_queries(lm, text, rec):
     a, b = rec, teacher_pass(lm, other, CONFIG)
     assert torch.equal(a.query_pos, b.query_pos)  # every candidate kept (queries=64)
     router = ZoomRouter(lm.shape)
-    oa = student_forward(lm, router, a, layer_memories(a, 32))
-    ob = student_forward(lm, router, b, layer_memories(b, 32))
+    oa = student_forward(lm, router, a, layer_memories(a, 32, 4))
+    ob = student_forward(lm, router, b, layer_memories(b, 32, 4))
     before = a.query_pos < c
     assert before.any() and (~before).any()
     assert torch.allclose(oa.logp[before], ob.logp[before], atol=1e-5)
@@ -58,19 +58,19 @@ def test_future_tokens_do_not_change_earlier_queries(lm, text, rec):
 def test_hard_full_zoom_student_matches_the_teacher(lm, rec):
     """Zooming every span with exact keys is full attention: the student's next-token
     distribution is the teacher's (same frozen model, only the attention path differs)."""
-    mems = layer_memories(rec, 32)
+    mems = layer_memories(rec, 32, 4)
     out = student_forward(lm, None, rec, mems,
-                          hard_zoom=lambda i, q, sk, sl, zb: torch.ones(q.shape[0], q.shape[1], sl.numel(), dtype=torch.bool))
+                          hard_zoom=lambda i, q, keys, zb: torch.ones(q.shape[0], q.shape[1], keys.num_spans, dtype=torch.bool))
     # the teacher's log-probs are stored in float16: compare distributions
     assert kl_to_teacher(rec.logp, out.logp) < 1e-3
     assert torch.equal(out.logp.argmax(-1), rec.logp.float().argmax(-1))
     none = student_forward(lm, None, rec, mems,
-                           hard_zoom=lambda i, q, sk, sl, zb: torch.zeros(q.shape[0], q.shape[1], sl.numel(), dtype=torch.bool))
+                           hard_zoom=lambda i, q, keys, zb: torch.zeros(q.shape[0], q.shape[1], keys.num_spans, dtype=torch.bool))
     assert kl_to_teacher(rec.logp, none.logp) > 1e-2  # summaries alone are not exact
 
 
 def test_one_step_lowers_the_loss_and_the_budget_term_reaches_tau(lm, rec):
-    mems = layer_memories(rec, 32)
+    mems = layer_memories(rec, 32, 4)
     router = ZoomRouter(lm.shape)
     opt = torch.optim.AdamW(router.parameters(), lr=1e-3)
     first = router_losses(student_forward(lm, router, rec, mems), rec, mems, CONFIG, budget_ramp=1.0)
@@ -84,7 +84,7 @@ def test_one_step_lowers_the_loss_and_the_budget_term_reaches_tau(lm, rec):
 
 
 def test_budget_term_has_gradient_when_over_budget(lm, rec):
-    mems = layer_memories(rec, 32)
+    mems = layer_memories(rec, 32, 4)
     router = ZoomRouter(lm.shape)
     cfg = CONFIG.model_copy(update={"bce_weight": 0.0, "gate_weight": 0.0})
     out = student_forward(lm, router, rec, mems)

@@ -10,7 +10,7 @@ it never depends on the kernel's private page layout.
         batch rows:   [ decode, decode, decode | prefill chunk ... ]
         compressed:   [   yes ,   no  ,  yes   |       no         ]
         exact subset: [          row 1         |   prefill rows   ]  -> vLLM's CPU kernel
-        sekv rows:    [ row 0 ,         row 2  ]                    -> runtime.attend per request
+        sekv rows:    [ row 0 ,         row 2  ]                    -> runtime.attend_batch, all at once
 """
 from __future__ import annotations
 
@@ -160,10 +160,11 @@ class SeKVAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query[plan.exact_rows], key, value, kv_cache, plan.exact, out_exact,
                             output_scale, output_block_scale)
             output[plan.exact_rows] = out_exact
-        out = output.view(output.shape[0], self.num_heads, self.head_size)
-        for row, req_id in zip(plan.attend_rows, plan.attend_ids):
-            q = query[row].view(self.num_heads, self.head_size)
-            out[row] = runtime.attend(req_id, name, q, self.scale).to(out.dtype)
+        if plan.attend_rows:
+            rows = torch.tensor(plan.attend_rows, dtype=torch.int64)
+            q = query[rows].view(-1, self.num_heads, self.head_size)
+            out = output.view(output.shape[0], self.num_heads, self.head_size)
+            out[rows] = runtime.attend_batch(plan.attend_ids, name, q, self.scale).to(out.dtype)
         return output
 
 

@@ -109,8 +109,8 @@ def _install_cli() -> None:
                 # Normalised and validated: every process reads the same full settings.
                 self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
             vllm_config = original(self, *args, **kwargs)
-            if config is not None and config.zoom_policy == "router":
-                _check_router(config, vllm_config)
+            if config is not None:
+                _settle_policy(config, vllm_config)
             return vllm_config
 
         return create_engine_config
@@ -120,14 +120,21 @@ def _install_cli() -> None:
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)
 
 
-def _check_router(config: SeKVConfig, vllm_config) -> None:
-    """Refuse at start-up router weights that are missing or trained for another model shape; the
-    workers then load the resolved file."""
+def _settle_policy(config: SeKVConfig, vllm_config) -> None:
+    """Choose the zoom policy once (`auto`), log why, and refuse at start-up router weights that
+    are missing or trained for another model shape; the workers get the policy and the file."""
     from pathlib import Path
 
+    from sekv_vllm.policies import choose_policy
     from sekv_vllm.router import ModelShape, RouterWeightsError, check_router, resolve_weights
 
     mc = vllm_config.model_config
+    policy, why = choose_policy(config.zoom_policy, config.router_weights, Path(mc.model).name)
+    logger.info("sekv: zoom policy %s (%s)", policy, why)
+    settings = {**config.model_dump(), "zoom_policy": policy}
+    if policy != "router":
+        vllm_config.additional_config = {**vllm_config.additional_config, ADDITIONAL_CONFIG_KEY: settings}
+        return
     hf = mc.hf_text_config
     shape = ModelShape(hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, mc.get_head_size())
     try:
@@ -135,7 +142,7 @@ def _check_router(config: SeKVConfig, vllm_config) -> None:
         check_router(path, shape)
     except RouterWeightsError as err:
         raise SeKVConfigError(f"sekv.{err}") from None
-    settings = {**config.model_dump(), "router_weights": str(path.resolve())}
+    settings["router_weights"] = str(path.resolve())
     vllm_config.additional_config = {**vllm_config.additional_config, ADDITIONAL_CONFIG_KEY: settings}
 
 

@@ -1,0 +1,82 @@
+"""Many requests at once give what each request alone gives (torch only)."""
+import math
+
+import torch
+
+from sekv_vllm.core import compress_layer, concat_span_keys, segment_prompt
+from sekv_vllm.core.batched_attention import batched_mixed_attention
+from sekv_vllm.core.low_rank import rebuild_spans_of, span_factors
+from sekv_vllm.core.mixed_attention import mixed_attention
+from sekv_vllm.policies import SpanScorePolicy, budgeted_zoom, segment_budgeted_zoom
+
+H, HKV, D = 6, 2, 16
+SCALE = 1 / math.sqrt(D)
+
+
+def request(T, seed, centroids):
+    g = torch.Generator().manual_seed(seed)
+    k, v, s = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g), torch.rand(T, generator=g)
+    layout = segment_prompt(s, window=16, alpha=1.0, l_min=4, max_span=16)
+    mem = compress_layer(k, v, layout, s, r_max=16, score_centroids=centroids)
+    full = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, T)])
+    return mem, k[full], v[full], torch.randn(H, D, generator=g) * 2
+
+
+def test_segment_zoom_is_the_per_request_zoom():
+    g = torch.Generator().manual_seed(0)
+    lens = [7, 1, 12, 5]
+    seg = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))
+    score = torch.randn(seg.numel(), H, generator=g)
+    span_len = torch.randint(4, 17, (seg.numel(),), generator=g)
+    eligible = torch.rand(seg.numel(), H, generator=g) > 0.3
+    budgets = torch.tensor([30, 0, 1000, 15])
+    got = segment_budgeted_zoom(score, seg, span_len, budgets, HKV, eligible)
+    for b in range(4):
+        m = seg == b
+        want = budgeted_zoom(score[m].T, span_len[m], int(budgets[b]), HKV, eligible[m].T).T
+        assert torch.equal(got[m], want), b
+
+
+def test_batch_equals_each_request_alone():
+    reqs = [request(T, seed, c) for T, seed, c in [(300, 1, 4), (120, 2, 0), (500, 3, 4)]]
+    policy = SpanScorePolicy()
+    budgets = [60, 200, 0]
+    want = []
+    for (mem, fk, fv, q), budget in zip(reqs, budgets):
+        zoom = policy.select(0, q, mem.keys, budget, SCALE)
+        ids = torch.nonzero(zoom.any(0)).flatten()
+        (zk, zv), zs = rebuild_spans_of(ids, mem.bases_k, mem.bases_v)
+        want.append(mixed_attention(q, fk, fv, mem.summary_k, mem.summary_v, mem.span_len, zoom, zk, zv, zs, SCALE))
+
+    keys = concat_span_keys([m.keys for m, *_ in reqs])
+    counts = torch.tensor([m.keys.num_spans for m, *_ in reqs])
+    seg = torch.repeat_interleave(torch.arange(3), counts)
+    q = torch.stack([r[3] for r in reqs])
+    score, _ = policy.span_scores(0, q, seg, keys, SCALE)
+    zoom = segment_budgeted_zoom(score, seg, keys.span_len, torch.tensor(budgets), HKV)
+    pair_span, pair_head = torch.nonzero(zoom.view(-1, HKV, H // HKV).any(2), as_tuple=True)
+    parts, first = [], 0
+    for i, ((mem, *_), n) in enumerate(zip(reqs, counts.tolist())):
+        mine = seg[pair_span] == i
+        parts.append((span_factors(mem.bases_k, pair_span[mine] - first, pair_head[mine], 16, 16),
+                      span_factors(mem.bases_v, pair_span[mine] - first, pair_head[mine], 16, 16)))
+        first += n
+    coef_k, basis_k = (torch.cat(t) for t in zip(*(k for k, _ in parts)))
+    coef_v, basis_v = (torch.cat(t) for t in zip(*(v for _, v in parts)))
+    got = batched_mixed_attention(q, [r[1] for r in reqs], [r[2] for r in reqs], keys.summary_k,
+                                  torch.cat([m.summary_v for m, *_ in reqs]), keys.span_len, seg, zoom,
+                                  pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, SCALE)
+    assert torch.allclose(got, torch.stack(want), atol=1e-5)
+    assert zoom.any() and not zoom.all()  # the test exercises zoomed and summarised spans
+
+
+def test_span_factors_rebuild_the_rows():
+    mem, *_ = request(400, 4, 0)
+    ids, heads = torch.tensor([0, 3, 5]), torch.tensor([1, 0, 1])
+    coef, basis = span_factors(mem.bases_k, ids, heads, 20, 18)  # padded past the longest span and the rank
+    rows, row_span = rebuild_spans_of(ids, mem.bases_k)
+    padded = coef @ basis  # [3, 20, D]
+    for i, (s, h) in enumerate(zip(ids.tolist(), heads.tolist())):
+        n = int(mem.span_len[s])
+        assert torch.allclose(padded[i, :n], rows[0][row_span == s, h], atol=1e-5)
+        assert (padded[i, n:] == 0).all()
