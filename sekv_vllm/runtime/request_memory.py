@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 from collections import deque
 import json
 import logging
@@ -303,7 +304,7 @@ class SeKVRuntime:
             seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
-            span_offset=[sum(counts[:b]) for b in range(len(counts))],
+            span_offset=[0, *itertools.accumulate(counts)][:-1],
             span_count=counts,
         )
         self._batch_cache[layer_name] = batch

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.core import SpanKeys, compress_layer, gate_bases, fit_span_bases, rebuild_spans, segment_prompt, singular_values
+from sekv_vllm.core import SpanKeys, gate_bases, fit_span_bases, rebuild_spans, segment_prompt, singular_values
 from sekv_vllm.policies import RouterPolicy, make_policy
 from sekv_vllm.router import ModelShape, RouterWeightsError, ZoomRouter, load_router, resolve_weights, save_router
 from sekv_vllm.runtime import SeKVRuntime

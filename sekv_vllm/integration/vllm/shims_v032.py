@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from typing import Any
 
 from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
 
