@@ -1,13 +1,14 @@
 """Packages and the one folder mapping pyproject.toml cannot express.
 
 `triton_kernels/` installs as `sekv_vllm.triton_kernels`: vLLM imports Triton's own
-top-level `triton_kernels` package, which a top-level folder of ours would shadow.
+top-level `triton_kernels` package, which a top-level folder of ours would shadow. `csrc/`
+installs as `sekv_vllm.csrc` (C++ sources compiled on first use, `sekv_vllm.ops.span_decode`).
 """
 from setuptools import find_packages, setup
 
 setup(
-    packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"]) + ["sekv_vllm.triton_kernels"],
-    package_dir={"sekv_vllm.triton_kernels": "triton_kernels"},
+    packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"]) + ["sekv_vllm.triton_kernels", "sekv_vllm.csrc"],
+    package_dir={"sekv_vllm.triton_kernels": "triton_kernels", "sekv_vllm.csrc": "csrc"},
     # the shipped router weights and their provenance
-    package_data={"sekv_vllm.router": ["weights/*.safetensors", "weights/*.json"]},
+    package_data={"sekv_vllm.router": ["weights/*.safetensors", "weights/*.json"], "sekv_vllm.csrc": ["cpu/*.cpp"]},
 )

@@ -10,7 +10,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-stamp="$VENV/.sekv-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+stamp="$VENV/.sekv-setup-$(cat pyproject.toml setup.py scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing into $VENV (first run: a few minutes)"
   python -m pip install -q --upgrade pip

@@ -1,6 +1,7 @@
 """The engine-agnostic runtime: admission, capture, compression, pool exhaustion, release."""
 import math
 
+import pytest
 import torch
 
 from sekv_vllm.config import SeKVConfig
@@ -8,6 +9,7 @@ from sekv_vllm.core import exact_attention
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
+from tests.ops.test_span_decode import kernel_or_skip
 
 H, HKV, D = 9, 3, 64
 LAYERS = ["l0", "l1"]
@@ -93,12 +95,16 @@ def test_stats_path_gets_one_json_line_per_compressed_request(tmp_path):
     assert all(x["outcome"] == "finished" and 0 < x["fast_tier_fraction"] < 1 for x in lines)
 
 
-def test_a_request_decodes_the_same_whatever_decodes_beside_it():
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_a_request_decodes_the_same_whatever_decodes_beside_it(kernel):
     # bitwise: preemption and continuous batching must not change greedy outputs
+    if kernel == "cpp":
+        kernel_or_skip()
     names = ["l0", "l1"]
     for policy in ("span_score", "router"):
-        rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, budget_ratio=0.25), names,
-                         ModelShape(30, 9, 3, 64), "SmolLM2-135M-Instruct")
+        rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, budget_ratio=0.25, decode_kernel=kernel),
+                         names, ModelShape(30, 9, 3, 64), "SmolLM2-135M-Instruct")
+        assert (rt.kernel is not None) == (kernel == "cpp")
         g = torch.Generator().manual_seed(5)
         for r, T in (("a", 500), ("b", 700), ("c", 300)):
             rt.admit(r, T, None)

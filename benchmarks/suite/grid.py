@@ -129,6 +129,11 @@ PROFILES: dict[str, dict] = {
     "centroids": {"backends": ("vllm", "sekv:span_score@c0", "sekv:span_score", "sekv:router"),
                   "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
                   "budgets": (0.125, 0.0625)},
+    # Upper bounds of span scoring at a 12.5% budget: 32 centroids per span score every token
+    # exactly (the spans that really carry the most attention), 8 centroids.
+    "oracle": {"backends": ("vllm", "sekv:span_score@c32", "sekv:span_score@c8"),
+               "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
+               "budgets": (0.125,)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

@@ -146,7 +146,7 @@ def averages(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", default=None, help="ci, quick or full; other flags override its fields")
+    parser.add_argument("--profile", default=None, help="a profile of benchmarks.suite.grid.PROFILES (ci, quick, router, centroids, oracle, full); other flags override its fields")
     parser.add_argument("--tasks", nargs="+", default=None)
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)

@@ -7,6 +7,9 @@ Gram matrix X^T X: the same subspace as a truncated SVD at half its cost on CPU,
 C = X V_r with V_r orthonormal, r = rank(X) rebuilds X exactly. (The reference code's
 randomized SVD only approximates the subspace.)
 Coefficients are stored per token, spans back to back, so no padding is kept.
+When the factors would take more bytes than the rows themselves (r (|S| + D) >= |S| D, e.g.
+every span at r = |S| <= r_max), `rows_if_smaller` keeps the rebuilt rows instead (basis None):
+the same values, fewer bytes in the host pool, and less work to attend.
 """
 from __future__ import annotations
 
@@ -21,20 +24,26 @@ from sekv_vllm.core.span_summary import span_token_index
 class SpanBases:
     """Low-rank factors of every span of one layer, for keys or for values.
 
-    coef:       [P, Hkv, R]    U diag(s) rows, P = total span tokens, spans in order
-    basis:      [S, Hkv, R, D] V^T of each span (rows past a span's rank are zero)
+    coef:       [P, Hkv, R]    U diag(s) rows, P = total span tokens, spans in order; [P, Hkv, D]
+                               the token rows themselves when basis is None
+    basis:      [S, Hkv, R, D] V^T of each span (rows past a span's rank are zero), or None
     row_offset: [S] int64      first row of each span in `coef`
     span_len:   [S] int64
     """
 
     coef: torch.Tensor
-    basis: torch.Tensor
+    basis: torch.Tensor | None
     row_offset: torch.Tensor
     span_len: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.coef, self.basis, self.row_offset, self.span_len))
+        parts = (self.coef, self.basis, self.row_offset, self.span_len)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    @property
+    def factored(self) -> bool:
+        return self.basis is not None
 
 
 def fit_span_bases(
@@ -61,6 +70,18 @@ def fit_span_bases(
     return SpanBases(coef.to(x.dtype).contiguous(), basis.to(x.dtype).contiguous(), row_offset, span_len)
 
 
+def rows_if_smaller(bases: SpanBases) -> SpanBases:
+    """The bases as rebuilt token rows (basis None) when those take no more bytes than the factors."""
+    if not bases.factored or bases.span_len.numel() == 0:
+        return bases
+    P, Hkv, R = bases.coef.shape
+    D = bases.basis.shape[-1]
+    if P * Hkv * D > bases.coef.numel() + bases.basis.numel():
+        return bases
+    (rows,), _ = rebuild_spans_of(torch.arange(bases.span_len.numel()), bases)
+    return SpanBases(rows.to(bases.coef.dtype).contiguous(), None, bases.row_offset, bases.span_len)
+
+
 def rebuild_spans(bases: SpanBases, span_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of the chosen spans, rebuilt from their factors.
 
@@ -75,12 +96,15 @@ def rebuild_spans_of(span_ids: torch.Tensor, *bases: SpanBases) -> tuple[list[to
     """`rebuild_spans` for several factorisations of the same spans (keys and values),
     sharing the row index. Returns ([rows [M, Hkv, D] float32 per bases], row_span [M])."""
     first = bases[0]
-    Hkv, D = first.basis.shape[1], first.basis.shape[3]
+    Hkv, D = first.coef.shape[1], (first.basis.shape[3] if first.factored else first.coef.shape[2])
     if span_ids.numel() == 0:
-        return [first.basis.new_zeros(0, Hkv, D, dtype=torch.float32) for _ in bases], span_ids.new_zeros(0)
+        return [first.coef.new_zeros(0, Hkv, D, dtype=torch.float32) for _ in bases], span_ids.new_zeros(0)
     index, valid = span_token_index(first.row_offset[span_ids], first.span_len[span_ids])  # [Z, L]
     out = []
     for b in bases:
+        if not b.factored:
+            out.append(b.coef.float()[index][valid])
+            continue
         coef = b.coef.float()[index].permute(0, 2, 1, 3)  # [Z, Hkv, L, R]
         rows = torch.matmul(coef, b.basis.float()[span_ids])  # [Z, Hkv, L, D]
         out.append(rows.permute(0, 2, 1, 3)[valid])
@@ -91,18 +115,26 @@ def span_factors(bases: SpanBases, span_ids: torch.Tensor, heads: torch.Tensor, 
                  rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The factors of chosen (span, KV head) pairs, padded to a common shape, no row rebuilt.
 
-    span_ids, heads: [P] int64; length >= their longest span; rank >= the stored rank
+    span_ids, heads: [P] int64; length >= their longest span; rank >= the stored rank (>= D when
+    the bases hold rows: the rows are the coefficients of the identity basis)
     returns (coef [P, length, rank] float32, zero past each span's end and past its rank;
              basis [P, rank, D] float32)
     """
-    S, Hkv, R, D = bases.basis.shape
+    if bases.factored:
+        S, Hkv, R, D = bases.basis.shape
+    else:
+        S, Hkv, R = bases.span_len.numel(), bases.coef.shape[1], bases.coef.shape[2]
+        D = R
     o_l = torch.arange(length)
     lens = bases.span_len[span_ids][:, None]
     rows = bases.row_offset[span_ids][:, None] + torch.minimum(o_l[None, :], lens - 1)  # [P, length]
     # One flat gather each (row * Hkv + head): far cheaper on CPU than two-tensor indexing.
     coef = bases.coef.reshape(-1, R).index_select(0, (rows * Hkv + heads[:, None]).flatten())
     coef = coef.view(-1, length, R).float() * (o_l[None, :] < lens)[..., None]  # [P, length, R]
-    basis = bases.basis.reshape(S * Hkv, R, D).index_select(0, span_ids * Hkv + heads).float()  # [P, R, D]
+    if bases.factored:
+        basis = bases.basis.reshape(S * Hkv, R, D).index_select(0, span_ids * Hkv + heads).float()  # [P, R, D]
+    else:
+        basis = torch.eye(D).expand(span_ids.numel(), D, D)
     if rank > R:
         coef = torch.nn.functional.pad(coef, (0, rank - R))
         basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - R))

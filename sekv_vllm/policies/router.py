@@ -2,13 +2,14 @@
 by descending score until the budget is spent; keys rebuilt through the learned gates."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from sekv_vllm.core import SpanKeys
-from sekv_vllm.policies.base import ZoomPolicy
+from sekv_vllm.policies.base import QueryTerms, ZoomPolicy
 from sekv_vllm.router import ZoomRouter
 
 
@@ -24,9 +25,20 @@ class RouterPolicy(ZoomPolicy):
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         hit = self._projected.get(layer)
         if hit is None or hit[0] is not keys:
-            hit = self._projected[layer] = (keys, self.router.projected_keys(layer, keys))
+            # float16 like the fast tier's copy the C++ kernel reads (`key_features`): both paths score alike
+            hit = self._projected[layer] = (keys, self.key_features(layer, keys).float())
         score = self.router.score_rows(layer, q, seg, keys, hit[1])  # [S, H]
         return score, score > self.router.threshold_logit(layer)[None, :]
+
+    @torch.no_grad()
+    def key_features(self, layer: int, keys: SpanKeys) -> torch.Tensor:
+        return self.router.projected_keys(layer, keys).half().contiguous()
+
+    @torch.no_grad()
+    def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
+        r = self.router
+        return QueryTerms(r.query_features(layer, q).contiguous(), r.bias[layer].float().contiguous(),
+                          r.threshold_logit(layer).float().contiguous(), 1 / math.sqrt(r.shape.head_dim))
 
     @torch.no_grad()
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor:

@@ -91,10 +91,15 @@ class ZoomRouter(nn.Module):
         """`score_logits` of each span for its own request's query (serving many requests at once):
         q [B, H, D], seg [S] the request of each span -> [S, H]. projected: `projected_keys` of
         these keys when already computed (they do not change while a batch decodes)."""
-        qp = torch.einsum("hrd,bhd->bhr", self.W[layer], q.float())[seg]  # [S, H, d_r]
+        qp = self.query_features(layer, q)[seg]  # [S, H, d_r]
         kp = self.projected_keys(layer, keys) if projected is None else projected
-        learned = (qp * kp).sum(-1) / math.sqrt(self.d_r)
+        learned = (qp * kp).sum(-1)
         return keys.score_rows(q[seg], 1 / math.sqrt(self.shape.head_dim)) + learned + self.bias[layer][None, :]
+
+    def query_features(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """W q / sqrt(d_r): q [B, H, D] -> [B, H, d_r] float32 (the learned term is its dot with
+        `projected_keys`)."""
+        return torch.einsum("hrd,bhd->bhr", self.W[layer], q.float()) / math.sqrt(self.d_r)
 
     def projected_keys(self, layer: int, keys: SpanKeys) -> torch.Tensor:
         """normalize(W k_bar): [S, H, d_r]."""

@@ -14,19 +14,28 @@ from collections import deque
 import json
 import logging
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
 from sekv_vllm.core import LayerSpanMemory, SpanKeys, SpanLayout, compress_layer, concat_span_keys, segment_prompt
 from sekv_vllm.core.batched_attention import batched_mixed_attention
-from sekv_vllm.core.low_rank import span_factors
+from sekv_vllm.core.low_rank import SpanBases, span_factors
+from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy, segment_budgeted_zoom
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
 logger = logging.getLogger("sekv_vllm")
+_NO_FEATURES = torch.zeros(0, dtype=torch.float16)
+_ROWS = torch.zeros(0)
+
+
+def _basis(bases: SpanBases) -> torch.Tensor:
+    """The kernel's basis argument: empty when the bases hold the rows themselves."""
+    return bases.basis if bases.factored else _ROWS
 
 
 class Status(enum.Enum):
@@ -51,27 +60,43 @@ class RequestMemory:
     # PREFILLING: every computed row by position; COMPRESSED: full-resolution rows only
     # (anchors and short runs, then window and generated tokens, in position order).
     rows: dict[str, RowBuffer] = field(default_factory=dict)
+    # Per layer, the policy's span-side score features (`ZoomPolicy.key_features`), if it has any.
+    key_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
+    # processed so far); rows before it that a recompute computes again are not needed.
+    next_position: int = 0
+    # COMPRESSED and preempted: state kept for the recompute that resumes it (`suspend`).
+    suspended: bool = False
     decode_calls: int = 0
     zoomed_spans_total: int = 0
     figures: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchSpans:
     """The spans of one layer of the requests decoding together, one request after another.
 
-    keys: concatenated summary keys and scoring centroids; summary_v [S, Hkv, D]; seg [S] the
-    request (batch position) of each span; budgets [B] zoom rows per KV head; zoom_all [B] bool.
+    layers: each request's compressed layer; features: each request's `key_features` (a
+    placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom rows per
+    KV head; zoom_all [B] bool. `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
+    (the torch path's inputs; made on first use).
     """
 
     req_ids: tuple[str, ...]
-    keys: SpanKeys
-    summary_v: torch.Tensor
+    layers: tuple[LayerSpanMemory, ...]
+    features: tuple[torch.Tensor, ...]
     seg: torch.Tensor
     budgets: torch.Tensor
     zoom_all: torch.Tensor
     span_offset: list[int]
-    span_count: list[int]
+
+    @functools.cached_property
+    def keys(self) -> SpanKeys:
+        return concat_span_keys([m.keys for m in self.layers])
+
+    @functools.cached_property
+    def summary_v(self) -> torch.Tensor:
+        return torch.cat([m.summary_v for m in self.layers])
 
 
 def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
@@ -105,8 +130,25 @@ class SeKVRuntime:
         self.requests: dict[str, RequestMemory] = {}
         # Per layer, the spans of the last batch that decoded (reused while the batch is unchanged).
         self._batch_cache: dict[str, BatchSpans] = {}
+        self.kernel: ModuleType | None = self._load_kernel(config.decode_kernel)
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
+
+    @staticmethod
+    def _load_kernel(choice: str) -> ModuleType | None:
+        """The C++ decode kernel, or None for the torch path (`SeKVConfig.decode_kernel`)."""
+        if choice == "torch":
+            return None
+        try:
+            kernel = load_span_decode()
+        except KernelBuildError as err:
+            if choice == "cpp":
+                raise RuntimeError(f"sekv.decode_kernel is 'cpp' but the C++ kernel cannot be built here: {err}; "
+                                   "allowed: 'auto' (fall back to torch, logged) or 'torch'") from None
+            logger.warning("sekv: C++ decode kernel unavailable (%s); decoding with the torch ops", err)
+            return None
+        logger.info("sekv: decode attention: C++ kernel (decode_kernel=%s)", choice)
+        return kernel
 
     # -- admission ---------------------------------------------------------------------
     def admit(self, req_id: str, prompt_len: int, extra_args: dict | None) -> RequestMemory:
@@ -160,6 +202,8 @@ class SeKVRuntime:
             buf.write(start, k, v)
         else:  # decode rows join the window
             buf.append(k, v)
+            if layer_name == self.layer_names[0]:
+                mem.next_position += k.shape[0]
 
     def compress(self, req_id: str) -> RequestMemory:
         """Segment the prompt and compress every layer from its captured rows."""
@@ -186,12 +230,23 @@ class SeKVRuntime:
                 return self._keep_full(mem, "host pool full")
         # Keep only the full-resolution rows; rows past the prompt (a resumed request's
         # earlier output) stay as window rows.
-        keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.rows[self.layer_names[0]].length)])
+        mem.next_position = mem.rows[self.layer_names[0]].length
+        keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.next_position)])
         for name in self.layer_names:
             k, v = mem.rows[name].view()
             full = RowBuffer(keep.numel() + cfg.window, k.shape[1], k.shape[2], k.dtype)
             full.append(k[keep], v[keep])
             mem.rows[name] = full
+        if self.kernel is not None and k.dtype != torch.float32:
+            # `decode_kernel: cpp` with such a cache is refused at start-up (shims_v032.py)
+            logger.warning("sekv: the C++ decode kernel reads float32 KV rows, these are %s: decoding with "
+                           "the torch ops", k.dtype)
+            self.kernel = None
+        if not zoom_all:
+            for i, name in enumerate(self.layer_names):
+                feats = self.policy.key_features(i, self.pool.load(req_id, name).keys)
+                if feats is not None:
+                    mem.key_features[name] = feats
         mem.layout = layout
         mem.zoom_budget, mem.zoom_all = zoom_budget, zoom_all
         mem.status = Status.COMPRESSED
@@ -199,6 +254,7 @@ class SeKVRuntime:
         k0 = mem.rows[self.layer_names[0]].k
         row_bytes = 2 * k0[0].numel() * k0.element_size()
         span_fast_bytes = sum(self.pool.load(req_id, name).fast_tier_nbytes for name in self.layer_names)
+        span_fast_bytes += sum(f.numel() * f.element_size() for f in mem.key_features.values())
         mem.figures = {
             "req_id": req_id,
             "prompt_tokens": mem.prompt_len,
@@ -211,8 +267,8 @@ class SeKVRuntime:
             "zoom_budget_rows": mem.zoom_budget,
             "budget_exceeded_by_base": max(layout.base_rows - mem.budget, 0),
             "full_kv_bytes": mem.prompt_len * row_bytes * L,
-            # what the method needs in the fast tier: fixed rows + summaries and scoring centroids
-            # + zoom scratch
+            # what the method needs in the fast tier: fixed rows + summaries, scoring centroids and
+            # the policy's key features + zoom scratch
             "fast_tier_bytes": (layout.num_fixed * row_bytes * L + span_fast_bytes
                                 + mem.zoom_budget * row_bytes * L),
             "host_pool_bytes": self.pool.owner_bytes(req_id),
@@ -245,67 +301,88 @@ class SeKVRuntime:
     def attend_batch(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Many compressed requests' newest tokens at once: q [B, H, D] -> [B, H, D] float32.
 
-        Zoomed spans are attended through their low-rank factors (`batched_mixed_attention`);
-        the result is each request's own mixed attention. The spans' summaries and
-        scoring keys of a batch are concatenated once per layer and reused while the batch's
-        requests stay the same (continuous batching changes them only when one joins or ends).
+        Each request gets its own mixed attention, whatever else decodes with it (bit for bit).
+        The C++ kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch
+        path (its reference) scores with `ZoomPolicy.span_scores`, zooms with
+        `segment_budgeted_zoom` and attends zoomed spans through their factors
+        (`batched_mixed_attention`). A batch's per-request inputs are gathered once per layer and
+        reused while its requests stay the same (continuous batching changes them only when one
+        joins or ends).
         """
         batch = self._batch_spans(req_ids, layer_name)
         layer = self.layer_index[layer_name]
-        score, eligible = self.policy.span_scores(layer, q, batch.seg, batch.keys, scale)
-        zoom = segment_budgeted_zoom(score, batch.seg, batch.keys.span_len, batch.budgets,
-                                     batch.keys.summary_k.shape[1], eligible)
-        zoom |= batch.zoom_all[batch.seg][:, None]
-        zoomed = zoom.any(dim=1)
-        # The factors of every zoomed (span, KV head) pair; no row is rebuilt: the attention works
-        # on them (`batched_mixed_attention`).
-        Hkv, D = batch.keys.summary_k.shape[1:]
-        pair_span, pair_head = torch.nonzero(zoom.view(zoom.shape[0], Hkv, -1).any(dim=2), as_tuple=True)
-        pair_req = batch.seg[pair_span]
-        parts = []
-        for i in torch.unique(pair_req).tolist():
-            mine = pair_req == i
-            parts.append((self.pool.load(req_ids[i], layer_name), pair_span[mine] - batch.span_offset[i], pair_head[mine]))
-        if parts:
-            # Padded to the largest possible span and rank, not this batch's: a request's result
-            # then does not depend on which others decode with it (bitwise: preemption and
-            # batching do not change greedy outputs).
-            L = self.config.max_span
-            R = min(L, D, self.config.r_max)
-            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, R) for m, s_, h in parts)))
-            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, R) for m, s_, h in parts)))
-        else:
-            coef_k = coef_v = torch.zeros(0, 1, 1)
-            basis_k = basis_v = torch.zeros(0, 1, D)
         full = [self.requests[r].rows[layer_name].view() for r in req_ids]
-        out = batched_mixed_attention(
-            q, [k for k, _ in full], [v for _, v in full], batch.keys.summary_k, batch.summary_v,
-            batch.keys.span_len, batch.seg, zoom, pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, scale,
-        )
-        counts = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoomed.long()).tolist()
+        if self.kernel is not None:
+            terms = self.policy.query_terms(layer, q, scale)
+            m = batch.layers
+            out, zoom = self.kernel.span_decode(
+                q.float().contiguous(), [k for k, _ in full], [v for _, v in full],
+                [x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
+                [x.keys.centroid_k for x in m], [x.keys.log_count for x in m],
+                list(batch.features) if terms.features is not None else [],
+                [x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
+                [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m], batch.budgets, batch.zoom_all,
+                terms.features if terms.features is not None else q.new_zeros(0, 0, 0),
+                terms.bias, terms.threshold, scale, terms.score_scale,
+            )
+        else:
+            out, zoom = self._attend_torch(batch, layer, q, full, scale)
+        counts = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoom.any(dim=1).long()).tolist()
         for req_id, c in zip(req_ids, counts):
             mem = self.requests[req_id]
             mem.decode_calls += 1
             mem.zoomed_spans_total += c
         return out
 
+    def _attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,
+                      full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path of `attend_batch`: (out [B, H, D] float32, zoom [S, Hkv] bool)."""
+        score, eligible = self.policy.span_scores(layer, q, batch.seg, batch.keys, scale)
+        Hkv, D = batch.keys.summary_k.shape[1:]
+        zoom = segment_budgeted_zoom(score, batch.seg, batch.keys.span_len, batch.budgets, Hkv, eligible)
+        zoom |= batch.zoom_all[batch.seg][:, None]
+        # The factors of every zoomed (span, KV head) pair; no row is rebuilt: the attention works
+        # on them (`batched_mixed_attention`).
+        pair_span, pair_head = torch.nonzero(zoom.view(zoom.shape[0], Hkv, -1).any(dim=2), as_tuple=True)
+        pair_req = batch.seg[pair_span]
+        parts = []
+        for i in torch.unique(pair_req).tolist():
+            mine = pair_req == i
+            parts.append((batch.layers[i], pair_span[mine] - batch.span_offset[i], pair_head[mine]))
+        if parts:
+            # Padded to the largest possible span and rank (D: bases kept as rows are the
+            # coefficients of the identity basis), not this batch's: a request's result then does
+            # not depend on which others decode with it.
+            L, R = self.config.max_span, D
+            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, R) for m, s_, h in parts)))
+            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, R) for m, s_, h in parts)))
+        else:
+            coef_k = coef_v = torch.zeros(0, 1, 1)
+            basis_k = basis_v = torch.zeros(0, 1, D)
+        out = batched_mixed_attention(
+            q, [k for k, _ in full], [v for _, v in full], batch.keys.summary_k, batch.summary_v,
+            batch.keys.span_len, batch.seg, zoom, pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, scale,
+        )
+        return out, zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]
+
     def _batch_spans(self, req_ids: list[str], layer_name: str) -> "BatchSpans":
         key = tuple(req_ids)
         cached = self._batch_cache.get(layer_name)
         if cached is not None and cached.req_ids == key:
             return cached
-        layers = [self.pool.load(r, layer_name) for r in req_ids]
-        counts = [m.keys.num_spans for m in layers]
         mems = [self.requests[r] for r in req_ids]
+        layers = tuple(self.pool.load(r, layer_name) for r in req_ids)
+        counts = [m.keys.num_spans for m in layers]
+        # a request that zooms every span is never scored: no features, a placeholder
+        features = tuple(m.key_features.get(layer_name, _NO_FEATURES) for m in mems)
         batch = BatchSpans(
             req_ids=key,
-            keys=concat_span_keys([m.keys for m in layers]),
-            summary_v=torch.cat([m.summary_v for m in layers]),
+            layers=layers,
+            features=features,
             seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
-            span_count=counts,
         )
         self._batch_cache[layer_name] = batch
         return batch
@@ -326,6 +403,21 @@ class SeKVRuntime:
             decode_steps=mem.decode_calls // max(len(self.layer_names), 1),
             mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
         )
+
+    def suspend(self, req_id: str) -> None:
+        """A compressed request was preempted: keep its state (host pool, rows) for the recompute
+        that resumes it, so that it is not compressed again from rows computed another way (its
+        output rows would then come from exact attention, not from its compressed decode) and its
+        output does not change. `release` frees it when it ends."""
+        mem = self.requests[req_id]
+        if mem.suspended:
+            return
+        mem.suspended = True
+        logger.info("sekv: %s preempted; its compressed state (%d host-pool bytes) is kept for its recompute",
+                    req_id, self.pool.owner_bytes(req_id))
+
+    def resume(self, req_id: str) -> None:
+        self.requests[req_id].suspended = False
 
     def release(self, req_id: str, *, outcome: str) -> dict | None:
         """Free both tiers of a request; returns its figures if it was compressed."""

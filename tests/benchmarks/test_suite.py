@@ -35,7 +35,7 @@ def test_sekv_backend_settings():
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'quick', 'router'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'oracle', 'quick', 'router'\]"):
         make_grid("fast")
 
 

@@ -51,3 +51,14 @@ def test_speculative_decoding_is_refused_with_sekv(engine_args_cls, model_dir):
                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(SeKVConfigError, match="speculative_config: speculative decoding is not supported with sekv"):
         args.create_engine_config()
+
+
+def test_the_cpp_decode_kernel_with_a_non_float32_cache_is_refused_at_start_up(engine_args_cls, model_dir):
+    from sekv_vllm.config import SeKVConfigError
+
+    args = engine_args_cls(model=model_dir, dtype="bfloat16", additional_config={"sekv": {"decode_kernel": "cpp"}})
+    with pytest.raises(SeKVConfigError, match=r"sekv\.decode_kernel: 'cpp' needs a float32 KV cache, this one is "
+                                              r"torch\.bfloat16; allowed with it: 'auto' or 'torch'"):
+        args.create_engine_config()
+    ok = engine_args_cls(model=model_dir, dtype="float32", additional_config={"sekv": {"decode_kernel": "cpp"}})
+    assert ok.create_engine_config().additional_config["sekv"]["decode_kernel"] == "cpp"

@@ -57,13 +57,14 @@ def test_returned_pages_admit_more_requests_and_outputs_do_not_change(model_dir,
 
 
 def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_ids, tmp_path):
-    # score_centroids 0: with centroids this test's outputs differ after preemption (open bug,
-    # README "Status"); the decode itself is batch-invariant (tests/test_runtime.py).
-    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "score_centroids": 0},
+    # A compressed request preempted after 325 tokens keeps its compressed state; its recompute
+    # decodes only the newest row from it (the decode is batch-invariant: tests/test_runtime.py).
+    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256},
             "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1200}
     tiny = pages({**spec, "num_blocks": 12}, tmp_path)  # three compressed requests outgrow 11 pages
     roomy = pages(spec, tmp_path)
     assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
+    assert "is kept for its recompute" in tiny["stderr"]
     assert tiny["outputs"] == roomy["outputs"]
     assert tiny["runtime_requests_left"] == 0 and tiny["host_pool_used_bytes"] == 0
 

@@ -142,7 +142,7 @@ def test_runtime_uses_router_gates_and_scores(tmp_path):
     assert not mem.zoom_all
     layer = rt.pool.load("a", "l1")
     assert layer.bases_k.coef.abs().max() < 1e-6 and layer.bases_v.coef.abs().max() > 0.1
-    assert make_policy("span_score").key_gates(0, singular_values(layer.bases_k), layer.summary_k) is None
+    assert make_policy("span_score").key_gates(0, torch.ones(layer.keys.num_spans, 2, 8), layer.summary_k) is None
     out = rt.attend("a", "l1", torch.randn(6, 16), 0.25)
     assert out.shape == (6, 16) and torch.isfinite(out).all()
 
@@ -168,5 +168,9 @@ def test_span_wise_scores_match_the_all_pairs_scores():
     rows = r.score_rows(2, q, seg, keys)
     pairs = r.score_logits(2, q, keys)  # [3, H, S]
     assert torch.allclose(rows, pairs[seg, :, torch.arange(9)], atol=1e-5)
-    score, eligible = RouterPolicy(r).span_scores(2, q, seg, keys, 0.25)
-    assert torch.equal(score, rows) and torch.equal(eligible, rows > r.threshold_logit(2)[None, :])
+    # the policy scores through the fast tier's float16 copy of the projected keys
+    policy = RouterPolicy(r)
+    score, eligible = policy.span_scores(2, q, seg, keys, 0.25)
+    assert policy.key_features(2, keys).dtype == torch.float16
+    assert torch.equal(score, r.score_rows(2, q, seg, keys, policy.key_features(2, keys).float()))
+    assert torch.allclose(score, rows, atol=2e-3) and torch.equal(eligible, score > r.threshold_logit(2)[None, :])

@@ -71,13 +71,22 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
         captures, attend_rows, attend_ids, exact_reqs = [], [], [], []
         for i, req_id in enumerate(req_ids):
             n = qsl[i + 1] - qsl[i]
+            if runtime.is_compressed(req_id):
+                # Its newest row is decoded from the compressed state. A preempted request's
+                # recompute (n > 1) also runs its other rows, which the runtime already holds,
+                # through vLLM's kernel: only the newest row's output is used.
+                mem = runtime.get(req_id)
+                last = seq_lens[i] - 1
+                if last == mem.next_position:
+                    captures.append((req_id, qsl[i + 1] - 1, 1, last))
+                    attend_rows.append(qsl[i + 1] - 1)
+                    attend_ids.append(req_id)
+                if n > 1 or last != mem.next_position:
+                    exact_reqs.append(i)
+                continue
             if runtime.is_active(req_id):
                 captures.append((req_id, qsl[i], n, seq_lens[i] - n))
-            if n == 1 and runtime.is_compressed(req_id):
-                attend_rows.append(qsl[i])
-                attend_ids.append(req_id)
-            else:
-                exact_reqs.append(i)
+            exact_reqs.append(i)
         if not captures:
             return meta
         if attend_rows and any(qsl[i + 1] - qsl[i] > 1 for i in exact_reqs):

@@ -37,15 +37,18 @@ class PagePlan:
 
 
 _plans: dict[str, PagePlan] = {}
-_freed_listeners: list[Callable[[str], None]] = []
+_freed_listeners: list[Callable[[str, bool], None]] = []
+# Requests whose pages the scheduler is freeing because it preempts them (set by a wrap of
+# Scheduler._preempt_request, shims_v032.py).
+preempting: set[str] = set()
 # Pages returned to the pool so far in this process (a metric, and what the tests read).
 returned_pages = 0
 
 
-def on_request_freed(listener: Callable[[str], None]) -> None:
-    """Call `listener(req_id)` when the scheduler frees a request's pages (finished, aborted or
-    preempted): the runner bridge frees its tiers then, not at the next step, which an idle
-    engine would never run."""
+def on_request_freed(listener: Callable[[str, bool], None]) -> None:
+    """Call `listener(req_id, preempted)` when the scheduler frees a request's pages (finished,
+    aborted or preempted): the runner bridge frees its tiers then, not at the next step, which an
+    idle engine would never run."""
     _freed_listeners.append(listener)
 
 
@@ -87,7 +90,7 @@ class PageReturningManager(FullAttentionManager):
 def _forget(request_id: str) -> None:
     _plans.pop(request_id, None)
     for listener in _freed_listeners:
-        listener(request_id)
+        listener(request_id, request_id in preempting)
 
 
 def sekv_spec(spec: AttentionSpec, vllm_config) -> AttentionSpec:

@@ -50,6 +50,8 @@ class RunnerBridge:
         model_name = Path(runner.vllm_config.model_config.model).name
         self.runtime = SeKVRuntime(config, list(self.layers), shape, model_name)
         kv_pages.on_request_freed(self._on_pages_freed)
+        # Page plans of compressed requests, filed again when a preempted one resumes.
+        self._page_plans: dict[str, tuple[int, int]] = {}
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0
 
@@ -60,12 +62,30 @@ class RunnerBridge:
         for req_id in scheduler_output.finished_req_ids:
             self.runtime.release(req_id, outcome="finished")
         for req_id in scheduler_output.preempted_req_ids or ():
-            self.runtime.release(req_id, outcome="preempted")
+            self._on_pages_freed(req_id, preempted=True)
         for new in scheduler_output.scheduled_new_reqs:
             if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
                 self.runtime.release(new.req_id, outcome="restarted")
             extra = new.sampling_params.extra_args if new.sampling_params else None
             self.runtime.admit(new.req_id, len(new.prompt_token_ids or ()), extra)
+        # A preempted request comes back as a cached one and recomputes its prompt and output.
+        # Compressed before: its kept state serves it again (the metadata builder answers only
+        # the recompute's newest row) and its prompt pages go back once more. Else it is
+        # admitted again and compressed when its prompt is complete.
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            mem = self.runtime.get(req_id)
+            if mem is not None and mem.suspended:
+                self.runtime.resume(req_id)
+                if req_id in self._page_plans:
+                    kv_pages.plan_release(req_id, *self._page_plans[req_id])
+                continue
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                continue
+            if mem is not None:
+                self.runtime.release(req_id, outcome="restarted")
+            extra = state.sampling_params.extra_args if state.sampling_params else None
+            self.runtime.admit(req_id, len(state.prompt_token_ids or ()), extra)
 
     def after_step(self, scheduler_output: "SchedulerOutput") -> None:
         state = self.runner.execute_model_state
@@ -93,9 +113,15 @@ class RunnerBridge:
         return any(self.runtime.is_active(r) for r in self.runtime.requests)
 
     # -- internals ---------------------------------------------------------------------------
-    def _on_pages_freed(self, req_id: str) -> None:
-        if self.runtime.get(req_id) is not None:
-            self.runtime.release(req_id, outcome="ended")
+    def _on_pages_freed(self, req_id: str, preempted: bool) -> None:
+        mem = self.runtime.get(req_id)
+        if mem is None:
+            return
+        if preempted and mem.status is Status.COMPRESSED:
+            self.runtime.suspend(req_id)
+        else:
+            self._page_plans.pop(req_id, None)
+            self.runtime.release(req_id, outcome="preempted" if preempted else "ended")
     def _record_surprisal(
         self, req_id: str, prompt: list[int], hidden: torch.Tensor, row0: int, start: int, n: int
     ) -> None:
@@ -127,6 +153,7 @@ class RunnerBridge:
             # the last, partly filled prompt page; the manager returns the rest.
             keep = min(math.ceil(mem.figures["fast_tier_bytes"] / block_bytes), mem.prompt_len // block_size)
             kv_pages.plan_release(req_id, keep, mem.prompt_len)
+            self._page_plans[req_id] = (keep, mem.prompt_len)
             held = keep + (prompt_pages - mem.prompt_len // block_size)
         mem.figures["vllm_pages_held_bytes"] = held * block_bytes
         mem.figures["vllm_pages_returned_bytes"] = (prompt_pages - held) * block_bytes

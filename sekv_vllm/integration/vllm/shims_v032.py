@@ -109,6 +109,7 @@ def _install_cli() -> None:
                 self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
             vllm_config = original(self, *args, **kwargs)
             if config is not None:
+                _check_kernel_dtype(config, vllm_config)
                 _settle_policy(config, vllm_config)
             return vllm_config
 
@@ -117,6 +118,18 @@ def _install_cli() -> None:
     _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
     _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)
+
+
+def _check_kernel_dtype(config: SeKVConfig, vllm_config) -> None:
+    """The C++ decode kernel reads float32 KV rows: `decode_kernel: cpp` with another KV dtype is
+    refused at start-up (`auto` then decodes with the torch ops, and says so)."""
+    import torch
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = vllm_config.model_config.dtype if cache_dtype == "auto" else cache_dtype
+    if config.decode_kernel == "cpp" and dtype not in (torch.float32, "float32", "fp32"):
+        raise SeKVConfigError(f"sekv.decode_kernel: 'cpp' needs a float32 KV cache, this one is {dtype}; "
+                              "allowed with it: 'auto' or 'torch'")
 
 
 def _settle_policy(config: SeKVConfig, vllm_config) -> None:
@@ -146,6 +159,7 @@ def _settle_policy(config: SeKVConfig, vllm_config) -> None:
 
 
 def _install_runner_hook() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from sekv_vllm.integration.vllm.runner_bridge import bridge_for
@@ -173,8 +187,21 @@ def _install_runner_hook() -> None:
 
         return get_kv_cache_spec
 
+    def make_preempt_request(original):
+        def _preempt_request(self, request, *args, **kwargs):
+            from sekv_vllm.integration.vllm import kv_pages
+
+            kv_pages.preempting.add(request.request_id)
+            try:
+                return original(self, request, *args, **kwargs)
+            finally:
+                kv_pages.preempting.discard(request.request_id)
+
+        return _preempt_request
+
     _wrap(GPUModelRunner, "execute_model", make_execute_model)
     _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
+    _wrap(Scheduler, "_preempt_request", make_preempt_request)
 
 
 def install() -> None:

@@ -1,0 +1,434 @@
+// sekv's decode step on CPU for many compressed requests at once, one layer: score every span,
+// zoom the best spans within each request's budget, and attend full rows + summaries + zoomed
+// spans (through their low-rank factors) in one softmax per query head.
+//
+// Torch reference: SeKVRuntime.attend_batch's torch path (ZoomPolicy.span_scores,
+// segment_budgeted_zoom, batched_mixed_attention). Each (request, KV head) is computed on its
+// own, in a fixed order, by one thread: a request's result does not depend on the batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Ask for the cache lines of [p, p + bytes) ahead of use: rows are read once, scattered across
+// requests and layers, and the loops are bound by memory latency, not arithmetic.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// exp(x) to about 2e-7 relative error (Cephes' expf polynomial), branch-free so that loops of it
+// vectorise (glibc's expf does not); exactly 0 below -87.3 (so exp(-inf) = 0).
+inline float exp_poly(float x) {
+  const float lo = -87.3f, hi = 88.3f;
+  const bool under = x < lo;
+  x = std::min(std::max(x, lo), hi);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.f : y * scale;
+}
+
+// log(x) for a positive normal x to about 1e-7 relative error (Cephes' logf polynomial),
+// branch-free so that loops of it vectorise.
+inline float log_poly(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  float e = static_cast<float>(((bits >> 23) & 0xff) - 126);
+  bits = (bits & 0x807fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool small = m < 0.707106781186547524f;
+  e = small ? e - 1.f : e;
+  m = small ? m + m - 1.f : m - 1.f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  return m + y + 0.693359375f * e;
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+// The inputs of one request (batch position b).
+struct Request {
+  const float* full_k;  // [N, Hkv, D]
+  const float* full_v;
+  int64_t num_full;
+  const float* summary_k;  // [S, Hkv, D]
+  const float* summary_v;
+  const int64_t* span_len;  // [S]
+  int64_t num_spans;
+  const void* centroid_k;  // [S, C, Hkv, D] half or float
+  bool centroid_half;
+  const c10::Half* log_count;  // [S, C, Hkv]
+  int64_t num_centroids;
+  const c10::Half* key_features;  // [S, H, F] or null
+  const float* coef_k;  // [P, Hkv, R], or the rows [P, Hkv, D] when `rows`
+  const float* basis_k;  // [S, Hkv, R, D]
+  const float* coef_v;
+  const float* basis_v;
+  const int64_t* row_offset;  // [S]
+  int64_t rank;
+  bool rows;  // the bases hold the span rows themselves (no basis)
+  int64_t budget;
+  bool zoom_all;
+};
+
+const float* f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
+  return t.data_ptr<float>();
+}
+
+const int64_t* i64(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous(), name, " must be contiguous int64");
+  return t.data_ptr<int64_t>();
+}
+
+}  // namespace
+
+// q: [B, H, D] float32. Per request b (lists of B tensors): full_k/full_v [N_b, Hkv, D] float32;
+// summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
+// float16 or float32; log_count [S_b, C_b, Hkv] float16; key_features [S_b, H, F] float16 (empty
+// list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
+// float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
+// |s| - 1); zoom_all [B] bool. query_features [B, H, F] float32 (already divided by sqrt(F)) or
+// empty; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
+// Returns (out [B, H, D] float32, zoom [sum S_b, Hkv] bool).
+std::vector<torch::Tensor> span_decode(
+    const torch::Tensor& q, const std::vector<torch::Tensor>& full_k, const std::vector<torch::Tensor>& full_v,
+    const std::vector<torch::Tensor>& summary_k, const std::vector<torch::Tensor>& summary_v,
+    const std::vector<torch::Tensor>& span_len, const std::vector<torch::Tensor>& centroid_k,
+    const std::vector<torch::Tensor>& log_count, const std::vector<torch::Tensor>& key_features,
+    const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
+    const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
+    const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& zoom_all,
+    const torch::Tensor& query_features, const torch::Tensor& bias, const torch::Tensor& threshold,
+    double scale, double score_scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(static_cast<int64_t>(full_k.size()) == B && full_v.size() == full_k.size() &&
+                  summary_k.size() == full_k.size() && summary_v.size() == full_k.size() &&
+                  span_len.size() == full_k.size() && centroid_k.size() == full_k.size() &&
+                  log_count.size() == full_k.size() && coef_k.size() == full_k.size() &&
+                  basis_k.size() == full_k.size() && coef_v.size() == full_k.size() &&
+                  basis_v.size() == full_k.size() && row_offset.size() == full_k.size(),
+              "every per-request list must have B = q.size(0) tensors");
+  const bool learned = !key_features.empty();
+  TORCH_CHECK(!learned || static_cast<int64_t>(key_features.size()) == B, "key_features: B tensors or none");
+  const int64_t Hkv = summary_k.empty() ? 1 : summary_k[0].size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "H must be a multiple of the KV heads");
+  const int64_t G = H / Hkv;
+  const int64_t F = learned ? query_features.size(2) : 0;
+  const float* qp = f32(q, "q");
+  const float* qf = learned ? f32(query_features, "query_features") : nullptr;
+  const float* bias_p = f32(bias, "bias");
+  const float* thr_p = f32(threshold, "threshold");
+  const int64_t* budget_p = i64(budgets, "budgets");
+  TORCH_CHECK(zoom_all.scalar_type() == torch::kBool, "zoom_all must be bool");
+  const bool* zoom_all_p = zoom_all.data_ptr<bool>();
+  TORCH_CHECK(budgets.numel() == B && zoom_all.numel() == B, "budgets and zoom_all must have B entries");
+
+  std::vector<Request> reqs(B);
+  std::vector<int64_t> span_offset(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    Request& r = reqs[b];
+    r.full_k = f32(full_k[b], "full_k");
+    r.full_v = f32(full_v[b], "full_v");
+    r.num_full = full_k[b].size(0);
+    r.summary_k = f32(summary_k[b], "summary_k");
+    r.summary_v = f32(summary_v[b], "summary_v");
+    r.span_len = i64(span_len[b], "span_len");
+    r.num_spans = span_len[b].numel();
+    TORCH_CHECK(full_k[b].dim() == 3 && full_k[b].size(1) == Hkv && full_k[b].size(2) == D &&
+                    full_v[b].sizes() == full_k[b].sizes(),
+                "full_k/full_v must be [N, Hkv, D] alike");
+    TORCH_CHECK(summary_k[b].dim() == 3 && summary_k[b].size(0) == r.num_spans && summary_k[b].size(1) == Hkv &&
+                    summary_k[b].size(2) == D && summary_v[b].sizes() == summary_k[b].sizes(),
+                "summary_k/summary_v must be [S, Hkv, D] with S = span_len.numel()");
+    const auto& ck = centroid_k[b];
+    TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(2) == Hkv && ck.size(3) == D,
+                "centroid_k must be contiguous [S, C, Hkv, D]");
+    r.centroid_half = ck.scalar_type() == torch::kHalf;
+    TORCH_CHECK(r.centroid_half || ck.scalar_type() == torch::kFloat32, "centroid_k must be float16 or float32");
+    r.centroid_k = ck.data_ptr();
+    r.num_centroids = ck.size(1);
+    TORCH_CHECK(log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous(), "log_count must be float16");
+    r.log_count = log_count[b].data_ptr<c10::Half>();
+    if (learned) {
+      TORCH_CHECK(key_features[b].scalar_type() == torch::kHalf && key_features[b].is_contiguous(),
+                  "key_features must be contiguous float16");
+      TORCH_CHECK(zoom_all_p[b] || (key_features[b].dim() == 3 && key_features[b].size(0) == r.num_spans &&
+                                    key_features[b].size(1) == H && key_features[b].size(2) == F),
+                  "key_features must be [S, H, F] (any shape for a request that zooms every span)");
+      r.key_features = key_features[b].data_ptr<c10::Half>();
+    }
+    r.coef_k = f32(coef_k[b], "coef_k");
+    r.coef_v = f32(coef_v[b], "coef_v");
+    r.row_offset = i64(row_offset[b], "row_offset");
+    r.rows = basis_k[b].numel() == 0;
+    TORCH_CHECK(r.rows == (basis_v[b].numel() == 0), "keys and values must both be rows or both factors");
+    r.basis_k = r.rows ? nullptr : f32(basis_k[b], "basis_k");
+    r.basis_v = r.rows ? nullptr : f32(basis_v[b], "basis_v");
+    r.rank = r.rows ? D : basis_k[b].size(2);
+    TORCH_CHECK(coef_k[b].size(2) == r.rank && coef_v[b].size(2) == r.rank &&
+                    (r.rows || basis_v[b].size(2) == r.rank),
+                "keys and values must share the rank (rows: head_dim)");
+    r.budget = budget_p[b];
+    r.zoom_all = zoom_all_p[b];
+    span_offset[b + 1] = span_offset[b] + r.num_spans;
+  }
+  auto out = torch::empty({B, H, D}, q.options());
+  auto zoom = torch::zeros({span_offset[B], Hkv}, q.options().dtype(torch::kBool));
+  float* out_p = out.data_ptr<float>();
+  bool* zoom_p = zoom.data_ptr<bool>();
+  const float fscale = static_cast<float>(scale), fscore = static_cast<float>(score_scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cent(D), feat(F), group, logits, scores, lse, qb, acc;
+    std::vector<int64_t> order;
+    std::vector<char> zoomed;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kh = task % Hkv;
+      const Request& r = reqs[b];
+      const int64_t S = r.num_spans, C = r.num_centroids, R = r.rank;
+      const float* qg = qp + (b * H + kh * G) * D;  // the G query heads of this KV head
+
+      // 1. Span scores: logsumexp over centroids (+ the learned term); the group's best eligible head.
+      group.assign(S, kNegInf);
+      if (!r.zoom_all) {
+        // raw[(s * G + g) * C + c] = q_g . c_sc * score_scale + log n_sc; then a logsumexp over c.
+        scores.resize(S * G * C);
+        lse.resize(S * G);
+        const int64_t csize = r.centroid_half ? 2 : 4;
+        for (int64_t s = 0; s < S; ++s) {
+          if (s + 4 < S) {
+            for (int64_t c = 0; c < C; ++c) {
+              prefetch(static_cast<const char*>(r.centroid_k) + (((s + 4) * C + c) * Hkv + kh) * D * csize, D * csize);
+            }
+          }
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t at = ((s * C + c) * Hkv + kh) * D;
+            if (r.centroid_half) {
+              to_float(static_cast<const c10::Half*>(r.centroid_k) + at, cent.data(), D);
+            } else {
+              to_float(static_cast<const float*>(r.centroid_k) + at, cent.data(), D);
+            }
+            const float lc = static_cast<float>(r.log_count[(s * C + c) * Hkv + kh]);
+            for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = dot(qg + g * D, cent.data(), D) * fscore + lc;
+          }
+        }
+        // Every (span, head) has a centroid with a finite logit (a non-empty cluster): the
+        // shifted sums below are in [1, C].
+        const int64_t SG = S * G, SGC = S * G * C;
+        float* sc = scores.data();
+        float* mx = lse.data();
+        for (int64_t i = 0; i < SG; ++i) {
+          mx[i] = *std::max_element(sc + i * C, sc + i * C + C);
+          for (int64_t c = 0; c < C; ++c) sc[i * C + c] -= mx[i];
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < SGC; ++i) sc[i] = exp_poly(sc[i]);
+        for (int64_t i = 0; i < SG; ++i) {
+          float sum = 0.f;
+          for (int64_t c = 0; c < C; ++c) sum += sc[i * C + c];
+          sc[i] = sum;  // the sums overwrite the front, already read
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < SG; ++i) mx[i] += log_poly(sc[i]);
+        for (int64_t s = 0; s < S; ++s) {
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kh * G + g;
+            float score = lse[s * G + g];
+            if (learned) {
+              if (g == 0 && s + 8 < S) prefetch(r.key_features + ((s + 8) * H + kh * G) * F, G * F * 2);
+              to_float(r.key_features + (s * H + h) * F, feat.data(), F);
+              score += dot(qf + (b * H + h) * F, feat.data(), F);
+            }
+            score += bias_p[h];
+            if (score > thr_p[h]) group[s] = std::max(group[s], score);
+          }
+        }
+      }
+      // 2. Zoom: spans by descending group score (ties: earlier span first) while the rows fit.
+      zoomed.assign(S, r.zoom_all ? 1 : 0);
+      if (!r.zoom_all) {
+        order.resize(S);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return group[a] > group[c]; });
+        int64_t rows = 0;
+        for (int64_t s : order) {
+          rows += r.span_len[s] - 1;
+          if (rows > r.budget || group[s] == kNegInf) break;
+          zoomed[s] = 1;
+        }
+      }
+      int64_t zoom_spans = 0, zoom_tokens = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        if (zoomed[s]) {
+          zoom_p[(span_offset[b] + s) * Hkv + kh] = true;
+          zoom_spans += 1;
+          zoom_tokens += r.span_len[s];
+        }
+      }
+      // 3. Logits of every row this KV head's queries attend: full rows, summaries of the spans
+      // not zoomed, zoomed tokens (q . k = (q B^T) . c through the span's factors).
+      const int64_t n = r.num_full + (S - zoom_spans) + zoom_tokens;
+      logits.resize(G * n);
+      qb.resize(G * R);
+      acc.resize(G * R);
+      // Row by row, every query head of the group (a row is fetched once).
+      for (int64_t i = 0; i < r.num_full; ++i) {
+        if (i + 8 < r.num_full) prefetch(r.full_k + ((i + 8) * Hkv + kh) * D, D * 4);
+        const float* row = r.full_k + (i * Hkv + kh) * D;
+        for (int64_t g = 0; g < G; ++g) logits[g * n + i] = dot(qg + g * D, row, D) * fscale;
+      }
+      {
+        int64_t at = r.num_full;
+        for (int64_t s = 0; s < S; ++s) {
+          if (s + 8 < S) prefetch(r.summary_k + ((s + 8) * Hkv + kh) * D, D * 4);
+          if (zoomed[s]) continue;
+          const float* row = r.summary_k + (s * Hkv + kh) * D;
+          const float bias_len = std::log(static_cast<float>(r.span_len[s]));
+          for (int64_t g = 0; g < G; ++g) logits[g * n + at] = dot(qg + g * D, row, D) * fscale + bias_len;
+          ++at;
+        }
+      }
+      int64_t at = r.num_full + (S - zoom_spans);
+      for (int64_t s = 0; s < S && r.rows; ++s) {
+        if (!zoomed[s]) continue;
+        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
+          prefetch(r.coef_k + ((r.row_offset[s] + t + 8) * Hkv + kh) * D, D * 4);
+          const float* row = r.coef_k + ((r.row_offset[s] + t) * Hkv + kh) * D;
+          for (int64_t g = 0; g < G; ++g) logits[g * n + at] = dot(qg + g * D, row, D) * fscale;
+        }
+      }
+      for (int64_t s = 0; s < S && !r.rows; ++s) {
+        if (!zoomed[s]) continue;
+        const float* basis = r.basis_k + (s * Hkv + kh) * R * D;
+        for (int64_t k = 0; k < R; ++k) {
+          for (int64_t g = 0; g < G; ++g) qb[g * R + k] = dot(basis + k * D, qg + g * D, D) * fscale;
+        }
+        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
+          const float* c = r.coef_k + ((r.row_offset[s] + t) * Hkv + kh) * R;
+          for (int64_t g = 0; g < G; ++g) logits[g * n + at] = dot(c, qb.data() + g * R, R);
+        }
+      }
+      // 4. Softmax and the weighted sum of values (zoomed values through their factors:
+      // p V = (p C_v) B_v).
+      for (int64_t g = 0; g < G; ++g) {
+        float* lg = logits.data() + g * n;
+        const float m = *std::max_element(lg, lg + n);
+        float den = 0.f;
+#pragma omp simd reduction(+ : den)
+        for (int64_t i = 0; i < n; ++i) {
+          lg[i] = exp_poly(lg[i] - m);
+          den += lg[i];
+        }
+        // normalise the weights now: the value sums below are then the output
+        const float inv = 1.f / den;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
+        float* o = out_p + (b * H + kh * G + g) * D;
+        std::fill(o, o + D, 0.f);
+      }
+      float* og = out_p + (b * H + kh * G) * D;  // the group's G output rows
+      for (int64_t i = 0; i < r.num_full; ++i) {
+        if (i + 8 < r.num_full) prefetch(r.full_v + ((i + 8) * Hkv + kh) * D, D * 4);
+        const float* row = r.full_v + (i * Hkv + kh) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + i], row, og + g * D, D);
+      }
+      {
+        int64_t j = r.num_full;
+        for (int64_t s = 0; s < S; ++s) {
+          if (s + 8 < S) prefetch(r.summary_v + ((s + 8) * Hkv + kh) * D, D * 4);
+          if (zoomed[s]) continue;
+          const float* row = r.summary_v + (s * Hkv + kh) * D;
+          for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + j], row, og + g * D, D);
+          ++j;
+        }
+      }
+      at = r.num_full + (S - zoom_spans);
+      for (int64_t s = 0; s < S && r.rows; ++s) {
+        if (!zoomed[s]) continue;
+        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
+          prefetch(r.coef_v + ((r.row_offset[s] + t + 8) * Hkv + kh) * D, D * 4);
+          const float* row = r.coef_v + ((r.row_offset[s] + t) * Hkv + kh) * D;
+          for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + at], row, out_p + (b * H + kh * G + g) * D, D);
+        }
+      }
+      for (int64_t s = 0; s < S && !r.rows; ++s) {
+        if (!zoomed[s]) continue;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
+          const float* c = r.coef_v + ((r.row_offset[s] + t) * Hkv + kh) * R;
+          for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + at], c, acc.data() + g * R, R);
+        }
+        const float* basis = r.basis_v + (s * Hkv + kh) * R * D;
+        for (int64_t k = 0; k < R; ++k) {
+          for (int64_t g = 0; g < G; ++g) axpy(acc[g * R + k], basis + k * D, out_p + (b * H + kh * G + g) * D, D);
+        }
+      }
+    }
+  });
+  return {out, zoom};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)");
+}

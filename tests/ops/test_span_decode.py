@@ -1,0 +1,109 @@
+"""The C++ decode kernel against its torch reference (the runtime's torch path), request by request."""
+import pytest
+import torch
+
+from sekv_vllm.config import SeKVConfig
+from sekv_vllm.core.low_rank import fit_span_bases, rebuild_spans, rows_if_smaller
+from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
+from sekv_vllm.router import ModelShape
+from sekv_vllm.runtime import SeKVRuntime
+
+SHAPE = ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+
+
+def kernel_or_skip():
+    try:
+        return load_span_decode()
+    except KernelBuildError as err:
+        pytest.skip(f"C++ kernel not buildable here: {err}")
+
+
+def _runtime(prompts: dict[str, int], **cfg) -> SeKVRuntime:
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, SHAPE,
+                     "SmolLM2-135M-Instruct")
+    g = torch.Generator().manual_seed(11)
+    for req, T in prompts.items():
+        rt.admit(req, T, None)
+        rt.record_surprisal(req, torch.arange(1, T), torch.rand(T - 1, generator=g) * 6)
+        # keys drifting between a few directions, like real keys: spans differ in what they hold
+        directions = torch.randn(6, 3, 64, generator=g) * 2
+        for name in LAYERS:
+            k = directions[(torch.arange(T) // 17) % 6] + torch.randn(T, 3, 64, generator=g)
+            rt.capture(req, name, 0, k, torch.randn(T, 3, 64, generator=g))
+        rt.compress(req)
+        rt.capture(req, LAYERS[1], 0, torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 64, generator=g))
+    return rt
+
+
+CASES = {
+    "router, 4 centroids, rows": dict(budget_ratio=0.125),
+    "span_score, 4 centroids": dict(budget_ratio=0.125, zoom_policy="span_score"),
+    "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
+    "router, low-rank factors": dict(budget_ratio=0.3, r_max=8, max_span=16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_the_torch_path(case):
+    kernel = kernel_or_skip()
+    # c's budget covers every span: it is attended exactly, beside requests that choose
+    prompts = {"a": 900, "b": 1300, "c": 200}
+    rt = _runtime(prompts, **CASES[case])
+    rt.requests["c"].zoom_all = True
+    rt._batch_cache.clear()
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(4)) * 2
+    ids = list(prompts)
+    def zoomed() -> list[int]:
+        return [rt.requests[r].zoomed_spans_total for r in ids]
+
+    for name in LAYERS:
+        before = zoomed()
+        ref = rt.attend_batch(ids, name, q, 0.125)
+        mid = zoomed()
+        rt.kernel = kernel
+        out = rt.attend_batch(ids, name, q, 0.125)
+        rt.kernel = None
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+        # as many spans zoomed by each path
+        assert [m - b for m, b in zip(mid, before)] == [a - m for a, m in zip(zoomed(), mid)]
+    assert rt.requests["b"].zoomed_spans_total > 0 and rt.requests["c"].zoomed_spans_total > 0
+
+
+def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
+    kernel = kernel_or_skip()
+    rt = _runtime({"a": 800}, budget_ratio=0.125)
+    with pytest.raises(RuntimeError, match="every per-request list"):
+        kernel.span_decode(torch.zeros(2, 9, 64), *([[]] * 13), torch.zeros(2, dtype=torch.int64),
+                           torch.zeros(2, dtype=torch.bool), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1)
+    assert rt.requests["a"].zoom_budget > 0
+
+
+def test_bases_are_kept_as_rows_when_factors_would_be_larger():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 3, 64, generator=g)
+    start, length = torch.arange(0, 192, 24), torch.full((8,), 24)
+    full_rank = fit_span_bases(x, start, length, r_max=32)  # r = 24 >= 24 * 64 / (24 + 64)
+    rows = rows_if_smaller(full_rank)
+    assert not rows.factored and rows.nbytes < full_rank.nbytes
+    ids = torch.tensor([1, 5])
+    assert torch.allclose(rebuild_spans(rows, ids)[0], rebuild_spans(full_rank, ids)[0], atol=1e-5)
+    assert torch.allclose(rebuild_spans(rows, ids)[0], x[torch.cat([torch.arange(24, 48), torch.arange(120, 144)])], atol=1e-4)
+    low_rank = fit_span_bases(x, start, length, r_max=4)
+    assert rows_if_smaller(low_rank) is low_rank
+
+
+def test_a_missing_kernel_is_an_error_when_required_and_a_logged_fallback_otherwise(monkeypatch, caplog):
+    import sekv_vllm.runtime.request_memory as rm
+
+    def unavailable():
+        raise KernelBuildError("CalledProcessError: g++ not found")
+
+    monkeypatch.setattr(rm, "load_span_decode", unavailable)
+    with pytest.raises(RuntimeError, match="decode_kernel is 'cpp' but the C\\+\\+ kernel cannot be built here: .*g\\+\\+ not found"):
+        SeKVRuntime(SeKVConfig(decode_kernel="cpp", zoom_policy="span_score"), LAYERS)
+    with caplog.at_level("WARNING", logger="sekv_vllm"):
+        rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score"), LAYERS)
+    assert rt.kernel is None and "decoding with the torch ops" in caplog.text
+    with pytest.raises(ValueError, match="decode_kernel"):
+        SeKVConfig(decode_kernel="cuda")
