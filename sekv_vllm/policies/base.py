@@ -54,7 +54,7 @@ def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
 class QueryTerms:
     """What the C++ decode kernel needs of a policy for one layer and step (`ops.span_decode`).
 
-    A span's score for head h is logsumexp_c(q_h . c / score_scale^-1 + log n_c)
+    A span's score for head h is logsumexp_c(q_h . c * score_scale + log n_c)
     + features[b, h] . key_features[s, h] + bias[h]; it is eligible when above threshold[h].
     features: [B, H, F] float32 or None (no learned term); bias, threshold: [H] float32.
     """
