@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from sekv_vllm.config import SeKVConfig
+from sekv_vllm.core import exact_attention
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.request_memory import SeKVRuntime
 
@@ -79,17 +80,15 @@ def sekv_steps(rt: SeKVRuntime, ids: list[str], steps: int, gen: torch.Generator
 def full_kv_steps(requests: int, length: int, steps: int, gen: torch.Generator) -> float:
     """Seconds per decode step of exact attention over every request's full prompt (all layers)."""
     H, Hkv, D = SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
-    G = H // Hkv
-    ks = [torch.randn(Hkv, length, D, generator=gen) for _ in range(requests)]
-    vs = [torch.randn(Hkv, length, D, generator=gen) for _ in range(requests)]
+    ks = [torch.randn(length, Hkv, D, generator=gen) for _ in range(requests)]
+    vs = [torch.randn(length, Hkv, D, generator=gen) for _ in range(requests)]
     times = []
     for _ in range(steps):
-        q = torch.randn(requests, Hkv, G, D, generator=gen)
+        q = torch.randn(requests, H, D, generator=gen)
         t0 = time.perf_counter()
         for _layer in range(SHAPE.num_layers):
             for b in range(requests):
-                w = torch.softmax(torch.matmul(q[b], ks[b].mT) * D ** -0.5, dim=-1)
-                torch.matmul(w, vs[b])
+                exact_attention(q[b], ks[b], vs[b], D ** -0.5)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 

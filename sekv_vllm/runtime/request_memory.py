@@ -79,7 +79,8 @@ class BatchSpans:
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom rows per
     KV head; zoom_all [B] bool. `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
-    (the torch path's inputs; made on first use).
+    (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each
+    is made on first use.
     """
 
     req_ids: tuple[str, ...]
@@ -97,6 +98,20 @@ class BatchSpans:
     @functools.cached_property
     def summary_v(self) -> torch.Tensor:
         return torch.cat([m.summary_v for m in self.layers])
+
+    @functools.cached_property
+    def kernel_spans(self) -> tuple[list[torch.Tensor], ...]:
+        """The C++ kernel's per-request span inputs: summary_k, summary_v, span_len, centroid_k, log_count."""
+        m = self.layers
+        return ([x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
+                [x.keys.centroid_k for x in m], [x.keys.log_count for x in m])
+
+    @functools.cached_property
+    def kernel_bases(self) -> tuple[list[torch.Tensor], ...]:
+        """The C++ kernel's per-request host-pool inputs: coef_k, basis_k, coef_v, basis_v, row_offset."""
+        m = self.layers
+        return ([x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
+                [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m])
 
 
 def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
@@ -314,15 +329,10 @@ class SeKVRuntime:
         full = [self.requests[r].rows[layer_name].view() for r in req_ids]
         if self.kernel is not None:
             terms = self.policy.query_terms(layer, q, scale)
-            m = batch.layers
             out, zoom = self.kernel.span_decode(
-                q.float().contiguous(), [k for k, _ in full], [v for _, v in full],
-                [x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
-                [x.keys.centroid_k for x in m], [x.keys.log_count for x in m],
-                list(batch.features) if terms.features is not None else [],
-                [x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
-                [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m], batch.budgets, batch.zoom_all,
-                terms.features if terms.features is not None else q.new_zeros(0, 0, 0),
+                q.float().contiguous(), [k for k, _ in full], [v for _, v in full], *batch.kernel_spans,
+                list(batch.features) if terms.features is not None else [], *batch.kernel_bases,
+                batch.budgets, batch.zoom_all, terms.features if terms.features is not None else q.new_zeros(0, 0, 0),
                 terms.bias, terms.threshold, scale, terms.score_scale,
             )
         else:
