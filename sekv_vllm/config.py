@@ -36,7 +36,9 @@ class SeKVConfig(BaseModel):
     budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="prompt rows attended per decode step, as a fraction of the prompt")
     token_budget: int | None = Field(None, ge=1, description="absolute rows per decode step; overrides budget_ratio")
     min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
-    window: int = Field(64, ge=1, description="last prompt tokens kept at full resolution")
+    # 16, not more: at a 12.5% budget of a 1K prompt (125 rows) a 64-row window left less than one
+    # span to zoom (suite, benchmarks/results/suite-zoom).
+    window: int = Field(16, ge=1, description="last prompt tokens kept at full resolution")
     zoom_share: float = Field(
         0.5, ge=0.0, lt=1.0,
         description="share of the budget kept for zoomed spans; anchors are demoted until the rest fits",
@@ -47,11 +49,15 @@ class SeKVConfig(BaseModel):
     # trades accuracy for a smaller host pool.
     max_span: int = Field(32, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
     r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
-    # Held-out (benchmarks/router/heldout.py) at a budget of 12.5%: KL to full KV 0.67 with the
-    # summary key alone, 0.25 with 4 centroids, 0.034 scoring every token exactly.
+    # Suite at a 12.5% budget (6 samples per cell): every key at 2 bits (32 centroids = max_span)
+    # ranks spans almost as exact keys do (router 95% of full KV's accuracy vs 64% with 4 float16
+    # centroids) for ~6% of full KV in fast-tier bytes.
     score_centroids: int = Field(
-        4, ge=0, le=32, description="key centroids per span kept in the fast tier to score spans for zoom "
+        32, ge=0, le=32, description="key centroids per span kept in the fast tier to score spans for zoom "
         "(k-means of the span's keys); 0: the summary key alone (q . k_bar / sqrt(D) + log|S|)")
+    score_bits: Literal[2, 4, 8, 16] = Field(
+        2, description="bits per element of the scoring centroids: 16 keeps them in float16; 2, 4 or 8 quantizes "
+        "them per span, KV head and channel (with score_centroids >= max_span: every key of the span at that width)")
     zoom_policy: Literal["auto", "router", "span_score"] = Field(
         "auto", description="router: the trained router (weights shipped for the default model; another model "
         "needs router_weights); span_score: the untrained score (the span's attention mass estimated from its key "

@@ -15,22 +15,39 @@ from __future__ import annotations
 
 from typing import Literal
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from benchmarks.peers.presses import PRESSES
+from sekv_vllm.core.span_keys import QUANT_BITS
 from sekv_vllm.policies import POLICIES
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-# "sekv:span_score@c0": a sekv backend with another number of score centroids per span.
+# "sekv:span_score@c0": a sekv backend with another number of score centroids per span;
+# "sekv:router@c32b2": and those centroids at 2 bits per element (score_bits).
 CENTROIDS = "@c"
+_SCORING = re.compile(r"(\d+)(?:b(\d+))?")
+
+
+def _scoring(backend: str) -> tuple[int, int | None] | None:
+    """(score_centroids, score_bits or None) of a backend's '@cN[bB]' suffix; None when it has none or
+    it is malformed (see `_centroids_ok`)."""
+    name, sep, spec = backend.partition(CENTROIDS)
+    match = _SCORING.fullmatch(spec) if sep else None
+    return (int(match[1]), int(match[2]) if match[2] else None) if match else None
 
 
 def _centroids_ok(backend: str) -> bool:
-    name, sep, n = backend.partition(CENTROIDS)
-    return not sep or (name.startswith("sekv") and n.isdigit() and 0 <= int(n) <= 32)
+    name, sep, _ = backend.partition(CENTROIDS)
+    if not sep:
+        return True
+    scoring = _scoring(backend)
+    return (name.startswith("sekv") and scoring is not None and 0 <= scoring[0] <= 32
+            and scoring[1] in (None, *QUANT_BITS, 16))
 
 
 class GridError(ValueError):
@@ -58,7 +75,8 @@ class Grid(BaseModel):
         unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)]
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
-                             f"'{CENTROIDS}N' (score centroids per span, N in 0..32)")
+                             f"'{CENTROIDS}N' (score centroids per span, N in 0..32) or '{CENTROIDS}NbB' (and "
+                             f"their bits per element, B in {[*QUANT_BITS, 16]})")
         return backends
 
     @field_validator("tasks")
@@ -89,12 +107,15 @@ class Grid(BaseModel):
         """The SeKVConfig fields a sekv backend runs with; None for the other backends."""
         if not backend.startswith("sekv"):
             return None
-        name, _, centroids = backend.partition(CENTROIDS)
+        name = backend.partition(CENTROIDS)[0]
         out = dict(self.sekv_config)
         if name.startswith("sekv:"):
             out["zoom_policy"] = name.split(":", 1)[1]
-        if centroids:
-            out["score_centroids"] = int(centroids)
+        scoring = _scoring(backend)
+        if scoring is not None:
+            out["score_centroids"] = scoring[0]
+            if scoring[1] is not None:
+                out["score_bits"] = scoring[1]
         return out
 
     def jobs(self) -> list[dict]:
@@ -134,6 +155,10 @@ PROFILES: dict[str, dict] = {
     "oracle": {"backends": ("vllm", "sekv:span_score@c32", "sekv:span_score@c8"),
                "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
                "budgets": (0.125,)},
+    # The defaults (router and untrained score on every key at 2 bits, 16-row window) at the two
+    # tightest budgets, 6 samples per cell.
+    "zoom": {"backends": ("vllm", "sekv:router", "sekv:span_score"), "tasks": ("needle", "passkey", "niah_multikey"),
+             "lengths": (1000, 2000, 4000), "samples": 6, "budgets": (0.125, 0.0625)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

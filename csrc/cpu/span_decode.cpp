@@ -16,7 +16,7 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -48,7 +48,7 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 inline float exp_poly(float x) {
   const float lo = -87.3f, hi = 88.3f;
   const bool under = x < lo;
-  x = std::min(std::max(x, lo), hi);
+  x = x < lo ? lo : (x > hi ? hi : x);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -93,6 +93,16 @@ inline float log_poly(float x) {
   return m + y + 0.693359375f * e;
 }
 
+// One float16 to float: the F16C instruction where there is one (c10::Half's conversion is bit twiddling,
+// slow in the scoring loops, which convert a log count per centroid).
+inline float half_to_float(c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
@@ -105,6 +115,60 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 
+#if defined(__AVX512F__)
+// code_dots for G query heads known at compile time: the G accumulators of 16 centroids stay in registers.
+template <int G>
+inline void code_dots_lanes(const uint8_t* codes, const float* qstep, float* acc, int64_t Dm, int64_t C, int64_t D,
+                            int bits) {
+  const int64_t m = 8 / bits;
+  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  for (int64_t c0 = 0; c0 < C; c0 += 16) {
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < Dm; ++j) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * C + c0)));
+      for (int64_t i = 0; i < m; ++i) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(i * bits)), mask));
+        const int64_t d = j + i * Dm;
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(qstep[g * D + d]), v, a[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * C + c0, a[g]);
+  }
+}
+#endif
+
+// acc[g * C + c] = sum_d qstep[g * D + d] * code(c, d) for one span's codes [Dm, C] (see span_decode); val: C
+// floats of scratch. With AVX-512 (C a multiple of 16, up to 4 query heads per KV head), 16 centroids per
+// vector register.
+inline void code_dots(const uint8_t* codes, const float* qstep, float* acc, float* val, int64_t Dm, int64_t C,
+                      int64_t G, int64_t D, int bits) {
+#if defined(__AVX512F__)
+  if (C % 16 == 0) {
+    switch (G) {
+      case 1: return code_dots_lanes<1>(codes, qstep, acc, Dm, C, D, bits);
+      case 2: return code_dots_lanes<2>(codes, qstep, acc, Dm, C, D, bits);
+      case 3: return code_dots_lanes<3>(codes, qstep, acc, Dm, C, D, bits);
+      case 4: return code_dots_lanes<4>(codes, qstep, acc, Dm, C, D, bits);
+      default: break;
+    }
+  }
+#endif
+  const int64_t m = 8 / bits;
+  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  std::fill(acc, acc + G * C, 0.f);
+  for (int64_t j = 0; j < Dm; ++j) {
+    const uint8_t* col = codes + j * C;
+    for (int64_t i = 0; i < m; ++i) {
+      const int sh = static_cast<int>(i * bits);
+      const int64_t d = j + i * Dm;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) val[c] = static_cast<float>((col[c] >> sh) & mask);
+      for (int64_t g = 0; g < G; ++g) axpy(qstep[g * D + d], val, acc + g * C, C);
+    }
+  }
+}
+
 // The inputs of one request (batch position b).
 struct Request {
   const float* full_k;  // [N, Hkv, D]
@@ -114,8 +178,11 @@ struct Request {
   const float* summary_v;
   const int64_t* span_len;  // [S]
   int64_t num_spans;
-  const void* centroid_k;  // [S, C, Hkv, D] half or float
+  const void* centroid_k;  // [S, C, Hkv, D] half or float, or codes [S, Hkv, C, D / m] uint8
   bool centroid_half;
+  int64_t code_bits;  // 0: centroids are half/float; else bits per code (m = 8 / bits codes per byte)
+  const c10::Half* centroid_lo;  // [S, Hkv, D] (codes only)
+  const c10::Half* centroid_step;
   const c10::Half* log_count;  // [S, C, Hkv]
   int64_t num_centroids;
   const c10::Half* key_features;  // [S, H, F] or null
@@ -144,7 +211,10 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 
 // q: [B, H, D] float32. Per request b (lists of B tensors): full_k/full_v [N_b, Hkv, D] float32;
 // summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
-// float16 or float32; log_count [S_b, C_b, Hkv] float16; key_features [S_b, H, F] float16 (empty
+// float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
+// byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
+// [S_b, Hkv, D] float16 (value = lo + step * code; empty lists when no request has codes);
+// log_count [S_b, C_b, Hkv] float16; key_features [S_b, H, F] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
 // |s| - 1); zoom_all [B] bool. query_features [B, H, F] float32 (already divided by sqrt(F)) or
@@ -154,7 +224,8 @@ std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& full_k, const std::vector<torch::Tensor>& full_v,
     const std::vector<torch::Tensor>& summary_k, const std::vector<torch::Tensor>& summary_v,
     const std::vector<torch::Tensor>& span_len, const std::vector<torch::Tensor>& centroid_k,
-    const std::vector<torch::Tensor>& log_count, const std::vector<torch::Tensor>& key_features,
+    const std::vector<torch::Tensor>& log_count, const std::vector<torch::Tensor>& centroid_lo,
+    const std::vector<torch::Tensor>& centroid_step, int64_t code_bits, const std::vector<torch::Tensor>& key_features,
     const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
     const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
     const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& zoom_all,
@@ -169,6 +240,9 @@ std::vector<torch::Tensor> span_decode(
                   basis_k.size() == full_k.size() && coef_v.size() == full_k.size() &&
                   basis_v.size() == full_k.size() && row_offset.size() == full_k.size(),
               "every per-request list must have B = q.size(0) tensors");
+  TORCH_CHECK(code_bits == 0 || ((code_bits == 2 || code_bits == 4 || code_bits == 8) &&
+                                  static_cast<int64_t>(centroid_lo.size()) == B && centroid_step.size() == centroid_lo.size()),
+              "code_bits must be 0, or 2, 4 or 8 with B centroid_lo and centroid_step tensors");
   const bool learned = !key_features.empty();
   TORCH_CHECK(!learned || static_cast<int64_t>(key_features.size()) == B, "key_features: B tensors or none");
   const int64_t Hkv = summary_k.empty() ? 1 : summary_k[0].size(1);
@@ -202,12 +276,31 @@ std::vector<torch::Tensor> span_decode(
                     summary_k[b].size(2) == D && summary_v[b].sizes() == summary_k[b].sizes(),
                 "summary_k/summary_v must be [S, Hkv, D] with S = span_len.numel()");
     const auto& ck = centroid_k[b];
-    TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(2) == Hkv && ck.size(3) == D,
-                "centroid_k must be contiguous [S, C, Hkv, D]");
+    r.code_bits = ck.scalar_type() == torch::kByte ? code_bits : 0;
+    TORCH_CHECK(ck.scalar_type() != torch::kByte || code_bits > 0, "uint8 centroid codes need code_bits > 0");
+    if (r.code_bits) {
+      const int64_t m = 8 / r.code_bits;
+      TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(1) == Hkv &&
+                      ck.size(2) * m == D && D % m == 0,
+                  "centroid codes must be contiguous [S, Hkv, D / m, C] uint8, m = 8 / code_bits");
+      const auto& lo = centroid_lo[b];
+      const auto& st = centroid_step[b];
+      TORCH_CHECK(lo.scalar_type() == torch::kHalf && st.scalar_type() == torch::kHalf && lo.is_contiguous() &&
+                      st.is_contiguous() && lo.numel() == r.num_spans * Hkv * D && st.numel() == lo.numel(),
+                  "centroid_lo/centroid_step must be contiguous float16 [S, Hkv, D]");
+      r.centroid_lo = lo.data_ptr<c10::Half>();
+      r.centroid_step = st.data_ptr<c10::Half>();
+      r.num_centroids = ck.size(3);
+    } else {
+      TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(2) == Hkv &&
+                      ck.size(3) == D,
+                  "centroid_k must be contiguous [S, C, Hkv, D]");
+      TORCH_CHECK(ck.scalar_type() == torch::kHalf || ck.scalar_type() == torch::kFloat32,
+                  "centroid_k must be float16 or float32 (or uint8 codes with code_bits > 0)");
+      r.num_centroids = ck.size(1);
+    }
     r.centroid_half = ck.scalar_type() == torch::kHalf;
-    TORCH_CHECK(r.centroid_half || ck.scalar_type() == torch::kFloat32, "centroid_k must be float16 or float32");
     r.centroid_k = ck.data_ptr();
-    r.num_centroids = ck.size(1);
     TORCH_CHECK(log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous(), "log_count must be float16");
     r.log_count = log_count[b].data_ptr<c10::Half>();
     if (learned) {
@@ -239,15 +332,25 @@ std::vector<torch::Tensor> span_decode(
   bool* zoom_p = zoom.data_ptr<bool>();
   const float fscale = static_cast<float>(scale), fscore = static_cast<float>(score_scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cent(D), feat(F), group, logits, scores, lse, qb, acc;
+  // Tasks differ in cost (prompt lengths, spans, zoomed rows): handed out one at a time, not in
+  // equal blocks. Each is computed by one thread alone, so results do not depend on the schedule.
+  const int64_t tasks = B * Hkv;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> cent(D), step(D), qstep(G * D), val, acc_c, feat(F), group, logits, scores, lse, qb, acc;
     std::vector<int64_t> order;
     std::vector<char> zoomed;
-    for (int64_t task = begin; task < end; ++task) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
       const Request& r = reqs[b];
       const int64_t S = r.num_spans, C = r.num_centroids, R = r.rank;
       const float* qg = qp + (b * H + kh * G) * D;  // the G query heads of this KV head
+      if (r.code_bits) {
+        val.resize(C);
+        acc_c.resize(G * C);
+      }
 
       // 1. Span scores: logsumexp over centroids (+ the learned term); the group's best eligible head.
       group.assign(S, kNegInf);
@@ -256,7 +359,31 @@ std::vector<torch::Tensor> span_decode(
         scores.resize(S * G * C);
         lse.resize(S * G);
         const int64_t csize = r.centroid_half ? 2 : 4;
-        for (int64_t s = 0; s < S; ++s) {
+        for (int64_t s = 0; s < S && r.code_bits; ++s) {
+          // q . (lo + step * code) = q . lo + (q * step) . code. A span's codes are [D / m, C]: the C
+          // centroids side by side, so every channel updates all C scores in vector lanes.
+          const int64_t bits = r.code_bits, Dm = D * bits / 8;
+          const uint8_t* codes = static_cast<const uint8_t*>(r.centroid_k) + (s * Hkv + kh) * Dm * C;
+          if (s + 2 < S) {
+            prefetch(codes + 2 * Hkv * Dm * C, Dm * C);
+            prefetch(r.centroid_lo + ((s + 2) * Hkv + kh) * D, D * 2);
+            prefetch(r.centroid_step + ((s + 2) * Hkv + kh) * D, D * 2);
+          }
+          to_float(r.centroid_lo + (s * Hkv + kh) * D, cent.data(), D);
+          to_float(r.centroid_step + (s * Hkv + kh) * D, step.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            for (int64_t d = 0; d < D; ++d) qstep[g * D + d] = qg[g * D + d] * step[d];
+          }
+          code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, G, D, static_cast<int>(bits));
+          for (int64_t g = 0; g < G; ++g) {
+            const float base = dot(qg + g * D, cent.data(), D);
+            for (int64_t c = 0; c < C; ++c) {
+              scores[(s * G + g) * C + c] =
+                  (base + acc_c[g * C + c]) * fscore + half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
+            }
+          }
+        }
+        for (int64_t s = 0; s < S && !r.code_bits; ++s) {
           if (s + 4 < S) {
             for (int64_t c = 0; c < C; ++c) {
               prefetch(static_cast<const char*>(r.centroid_k) + (((s + 4) * C + c) * Hkv + kh) * D * csize, D * csize);
@@ -269,7 +396,7 @@ std::vector<torch::Tensor> span_decode(
             } else {
               to_float(static_cast<const float*>(r.centroid_k) + at, cent.data(), D);
             }
-            const float lc = static_cast<float>(r.log_count[(s * C + c) * Hkv + kh]);
+            const float lc = half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
             for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = dot(qg + g * D, cent.data(), D) * fscore + lc;
           }
         }
@@ -279,13 +406,17 @@ std::vector<torch::Tensor> span_decode(
         float* sc = scores.data();
         float* mx = lse.data();
         for (int64_t i = 0; i < SG; ++i) {
-          mx[i] = *std::max_element(sc + i * C, sc + i * C + C);
+          float top = kNegInf;
+#pragma omp simd reduction(max : top)
+          for (int64_t c = 0; c < C; ++c) top = sc[i * C + c] > top ? sc[i * C + c] : top;
+          mx[i] = top;
           for (int64_t c = 0; c < C; ++c) sc[i * C + c] -= mx[i];
         }
 #pragma omp simd
         for (int64_t i = 0; i < SGC; ++i) sc[i] = exp_poly(sc[i]);
         for (int64_t i = 0; i < SG; ++i) {
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t c = 0; c < C; ++c) sum += sc[i * C + c];
           sc[i] = sum;  // the sums overwrite the front, already read
         }
@@ -425,7 +556,7 @@ std::vector<torch::Tensor> span_decode(
         }
       }
     }
-  });
+  }
   return {out, zoom};
 }
 

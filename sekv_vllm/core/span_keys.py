@@ -9,6 +9,12 @@ an estimate of log sum_{t in s} exp(q_h . k_t / sqrt(D)): the span's true share 
 With C >= |S| every token is its own centroid and the estimate is exact; with C = 0 the span
 is scored through its summary key alone (C = 1 centroid k_bar standing for |S| tokens), which
 is the method doc's score.
+
+Centroids are kept in float16, or at 2, 4 or 8 bits per element (`score_bits`): quantized per
+span, KV head and channel over the span's centroids (KIVI's per-channel key quantization: a few
+channels of LLM keys carry large magnitudes, so each channel gets its own range). With one
+centroid per token that is every key of the span at a few bits, which ranks spans almost as the
+exact keys do for a fraction of the bytes.
 """
 from __future__ import annotations
 
@@ -19,20 +25,81 @@ import torch
 from sekv_vllm.core.span_summary import span_token_index
 
 _LLOYD_ITERATIONS = 6
+QUANT_BITS = (2, 4, 8)  # besides 16: float16
+
+
+@dataclass(frozen=True)
+class CentroidCodes:
+    """Key centroids at `bits` per element, quantized per (span, KV head, channel).
+
+    codes: [S, Hkv, D // m, C] uint8, m = 8 // bits codes per byte; byte [j, c] holds centroid c's
+           channels j + i * (D // m), i = 0..m-1, channel j + i * (D // m) in bits [i * bits, (i + 1) * bits)
+           (centroid-minor: the decode kernel scores a span's centroids side by side in vector lanes)
+    lo, step: [S, Hkv, D] float16; a channel's value is lo + step * code
+    """
+
+    codes: torch.Tensor
+    lo: torch.Tensor
+    step: torch.Tensor
+    bits: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.lo, self.step))
+
+    def dequantize(self) -> torch.Tensor:
+        """[S, C, Hkv, D] float32."""
+        S, Hkv, Dm, C = self.codes.shape
+        m = 8 // self.bits
+        shifts = torch.arange(m, dtype=torch.uint8) * self.bits
+        code = (self.codes[:, :, None] >> shifts[:, None, None]) & ((1 << self.bits) - 1)  # [S, Hkv, m, Dm, C]
+        x = self.lo.float()[..., None] + self.step.float()[..., None] * code.reshape(S, Hkv, m * Dm, C).float()
+        return x.permute(0, 3, 1, 2)
+
+
+def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int) -> CentroidCodes:
+    """cent: [S, Hkv, C, D] float; present: [S, Hkv, C] bool (centroids that stand for tokens:
+    only they set a channel's range)."""
+    S, Hkv, C, D = cent.shape
+    m = 8 // bits if bits in QUANT_BITS else 1
+    if bits not in QUANT_BITS or D % m:
+        raise ValueError(f"score_bits: {bits} bits per element needs head_dim ({D}) divisible by {m}; "
+                         f"allowed: {sorted(QUANT_BITS)} or 16 (float16)")
+    top = (1 << bits) - 1
+    have = present[..., None]
+    lo = torch.where(have, cent, torch.inf).amin(dim=2)  # [S, Hkv, D]
+    hi = torch.where(have, cent, -torch.inf).amax(dim=2)
+    lo16 = lo.half()
+    step16 = ((hi - lo16.float()) / top).half()
+    step = step16.float()[:, :, None]
+    code = ((cent - lo16.float()[:, :, None]) / step.clamp(min=1e-30)).round().clamp(0, top)
+    code = torch.where(step > 0, code, torch.zeros_like(code)).to(torch.uint8)
+    code = code.view(S, Hkv, C, m, D // m).permute(0, 1, 3, 4, 2)  # [S, Hkv, m, Dm, C]
+    packed = torch.zeros(S, Hkv, D // m, C, dtype=torch.uint8)
+    for i in range(m):
+        packed |= code[:, :, i] << (i * bits)
+    return CentroidCodes(packed.contiguous(), lo16, step16, bits)
 
 
 @dataclass(frozen=True)
 class SpanKeys:
     """summary_k:  [S, Hkv, D]     the spans' summary keys (also attended)
     span_len:   [S] int64
-    centroid_k: [S, C, Hkv, D]  key centroids of each span, C >= 1 (float16; the summary keys' dtype when C = 0)
+    centroid_k: [S, C, Hkv, D]  key centroids of each span, C >= 1 (float16; the summary keys' dtype
+                                when C = 0), or None when they are kept as `codes`
     log_count:  [S, C, Hkv] float16  log of the tokens each centroid stands for (-inf: none)
+    codes:      the centroids at a few bits per element, or None
     """
 
     summary_k: torch.Tensor
     span_len: torch.Tensor
-    centroid_k: torch.Tensor
+    centroid_k: torch.Tensor | None
     log_count: torch.Tensor
+    codes: CentroidCodes | None = None
+
+    def centroids(self) -> torch.Tensor:
+        """[S, C, Hkv, D] float32, dequantized where kept as codes."""
+        return self.codes.dequantize() if self.codes is not None else self.centroid_k.float()
 
     @classmethod
     def of_summaries(cls, summary_k: torch.Tensor, span_len: torch.Tensor) -> "SpanKeys":
@@ -48,47 +115,53 @@ class SpanKeys:
     @property
     def centroid_nbytes(self) -> int:
         """Fast-tier bytes of the scoring centroids (the summary rows are counted with the summaries)."""
-        return sum(t.numel() * t.element_size() for t in (self.centroid_k, self.log_count))
+        stored = self.codes.nbytes if self.codes is not None else self.centroid_k.numel() * self.centroid_k.element_size()
+        return stored + self.log_count.numel() * self.log_count.element_size()
 
     def score(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Estimated log attention mass of each span: q [..., H, D] -> [..., H, S] float32."""
         *lead, H, D = q.shape
-        S, C, Hkv, _ = self.centroid_k.shape
+        cent = self.centroids()
+        S, C, Hkv, _ = cent.shape
         qg = q.float().reshape(*lead, Hkv, H // Hkv, D)
-        logits = torch.einsum("...kgd,sckd->...kgsc", qg, self.centroid_k.float()) * scale
+        logits = torch.einsum("...kgd,sckd->...kgsc", qg, cent) * scale
         logits = logits + self.log_count.float().permute(2, 0, 1)[:, None]  # [Hkv, 1, S, C]
         return torch.logsumexp(logits, dim=-1).reshape(*lead, H, S)
 
     def score_rows(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """`score` with one query per span (the query of the request the span belongs to):
         q [S, H, D] -> [S, H] float32."""
-        S, C, Hkv, D = self.centroid_k.shape
+        cent = self.centroids()
+        S, C, Hkv, D = cent.shape
         qg = q.float().view(S, Hkv, -1, D)
-        logits = torch.einsum("skgd,sckd->skgc", qg, self.centroid_k.float()) * scale
+        logits = torch.einsum("skgd,sckd->skgc", qg, cent) * scale
         logits = logits + self.log_count.float().permute(0, 2, 1)[:, :, None, :]  # [S, Hkv, 1, C]
         return torch.logsumexp(logits, dim=-1).reshape(S, -1)
 
 
 def concat_span_keys(parts: list[SpanKeys]) -> SpanKeys:
-    """The spans of several requests, one after another; fewer centroids are padded (count 0)."""
-    C = max(p.centroid_k.shape[1] for p in parts)
+    """The spans of several requests, one after another; fewer centroids are padded (count 0).
+    Centroids kept as codes are dequantized (float32): the torch path's input."""
+    cents = [p.centroids() for p in parts]
+    C = max(c.shape[1] for c in cents)
 
-    def pad(p: SpanKeys) -> tuple[torch.Tensor, torch.Tensor]:
-        extra = C - p.centroid_k.shape[1]
+    def pad(p: SpanKeys, cent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = C - cent.shape[1]
         if extra == 0:
-            return p.centroid_k, p.log_count
-        S, _, Hkv, D = p.centroid_k.shape
-        return (torch.cat([p.centroid_k, p.centroid_k.new_zeros(S, extra, Hkv, D)], dim=1),
+            return cent, p.log_count
+        S, _, Hkv, D = cent.shape
+        return (torch.cat([cent, cent.new_zeros(S, extra, Hkv, D)], dim=1),
                 torch.cat([p.log_count, p.log_count.new_full((S, extra, Hkv), float("-inf"))], dim=1))
 
-    padded = [pad(p) for p in parts]
+    padded = [pad(p, c) for p, c in zip(parts, cents)]
     return SpanKeys(torch.cat([p.summary_k for p in parts]), torch.cat([p.span_len for p in parts]),
                     torch.cat([c for c, _ in padded]), torch.cat([n for _, n in padded]))
 
 
 def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
-              num_centroids: int) -> SpanKeys:
-    """k: [T, Hkv, D] prompt keys; summary_k: [S, Hkv, D]; num_centroids: C (0: the summary only).
+              num_centroids: int, bits: int = 16) -> SpanKeys:
+    """k: [T, Hkv, D] prompt keys; summary_k: [S, Hkv, D]; num_centroids: C (0: the summary only);
+    bits: 16 keeps the centroids in float16, 2/4/8 as `CentroidCodes`.
 
     Lloyd's k-means per span and KV head, a fixed number of iterations, started from farthest
     points (deterministic): an outlier key, the needle a query may look for, gets a centroid of its
@@ -101,16 +174,24 @@ def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor
     C = num_centroids
     index, valid = span_token_index(span_start, span_len)  # [S, L]
     x = k.float()[index].permute(0, 2, 1, 3)  # [S, Hkv, L, D]
-    cent = _farthest_points(x, valid, C)
-    member = valid[:, None, :, None]  # [S, 1, L, 1]
-    for _ in range(_LLOYD_ITERATIONS):
-        near = torch.cdist(x, cent).argmin(dim=-1)  # [S, Hkv, L]
-        one_hot = torch.nn.functional.one_hot(near, C).float() * member  # [S, Hkv, L, C]
-        count = one_hot.sum(dim=2)  # [S, Hkv, C]
-        sums = torch.einsum("shlc,shld->shcd", one_hot, x)
-        cent = torch.where(count[..., None] > 0, sums / count.clamp(min=1)[..., None], cent)
-    return SpanKeys(summary_k, span_len, cent.permute(0, 2, 1, 3).half().contiguous(),
-                    torch.log(count).half().permute(0, 2, 1).contiguous())
+    Hkv, L = x.shape[1], x.shape[2]
+    if C >= L:
+        # every key is its own centroid (what k-means gives too, without its cost)
+        cent = torch.nn.functional.pad(x, (0, 0, 0, C - L))
+        count = torch.nn.functional.pad(valid.float(), (0, C - L))[:, None].expand(S, Hkv, C)
+    else:
+        cent = _farthest_points(x, valid, C)
+        member = valid[:, None, :, None]  # [S, 1, L, 1]
+        for _ in range(_LLOYD_ITERATIONS):
+            near = torch.cdist(x, cent).argmin(dim=-1)  # [S, Hkv, L]
+            one_hot = torch.nn.functional.one_hot(near, C).float() * member  # [S, Hkv, L, C]
+            count = one_hot.sum(dim=2)  # [S, Hkv, C]
+            sums = torch.einsum("shlc,shld->shcd", one_hot, x)
+            cent = torch.where(count[..., None] > 0, sums / count.clamp(min=1)[..., None], cent)
+    log_count = torch.log(count).half().permute(0, 2, 1).contiguous()
+    if bits != 16:
+        return SpanKeys(summary_k, span_len, None, log_count, quantize_centroids(cent, count > 0, bits))
+    return SpanKeys(summary_k, span_len, cent.permute(0, 2, 1, 3).half().contiguous(), log_count)
 
 
 def _farthest_points(x: torch.Tensor, valid: torch.Tensor, C: int) -> torch.Tensor:

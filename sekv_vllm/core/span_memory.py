@@ -47,10 +47,11 @@ KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
-    score_centroids: int = 0, key_gates: KeyGates | None = None,
+    score_centroids: int = 0, score_bits: int = 16, key_gates: KeyGates | None = None,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
-    score_centroids: key centroids per span for zoom scoring (0: the summary key alone).
+    score_centroids: key centroids per span for zoom scoring (0: the summary key alone), kept at
+    score_bits bits per element (16: float16).
 
     key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
     gates of the keys (the trained router's), folded into the stored coefficients.
@@ -63,7 +64,7 @@ def compress_layer(
         if gates is not None:
             bases_k = gate_bases(bases_k, gates)
     return LayerSpanMemory(
-        span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids),
+        span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
         summary_v,
         rows_if_smaller(bases_k),
         rows_if_smaller(fit_span_bases(v, layout.span_start, layout.span_len, r_max)),

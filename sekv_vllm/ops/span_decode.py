@@ -31,7 +31,10 @@ def load_span_decode() -> ModuleType:
         if not source.is_file():
             raise FileNotFoundError(f"{source} is missing from this installation")
         logger.info("sekv: loading the C++ decode kernel (compiled on first use, about a minute)")
+        # -fno-trapping-math lets the branch-free exp/log loops vectorise (nothing reads FP exceptions);
+        # no -ffast-math: results stay those of the written operation order.
         return load(name="sekv_span_decode", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # a compiler, header or linker failure: all mean "not here"
         raise KernelBuildError(f"{type(err).__name__}: {err}") from err

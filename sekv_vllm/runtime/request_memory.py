@@ -30,6 +30,7 @@ from sekv_vllm.runtime.row_buffer import RowBuffer
 
 logger = logging.getLogger("sekv_vllm")
 _NO_FEATURES = torch.zeros(0, dtype=torch.float16)
+_NO_CODES = torch.zeros(0, dtype=torch.float16)
 _ROWS = torch.zeros(0)
 
 
@@ -100,11 +101,17 @@ class BatchSpans:
         return torch.cat([m.summary_v for m in self.layers])
 
     @functools.cached_property
-    def kernel_spans(self) -> tuple[list[torch.Tensor], ...]:
-        """The C++ kernel's per-request span inputs: summary_k, summary_v, span_len, centroid_k, log_count."""
+    def kernel_spans(self) -> tuple:
+        """The C++ kernel's per-request span inputs: summary_k, summary_v, span_len, centroid_k (or the
+        codes), log_count, centroid_lo, centroid_step (empty where not quantized), then code_bits."""
         m = self.layers
+        codes = [x.keys.codes for x in m]
+        bits = max((c.bits for c in codes if c is not None), default=0)
         return ([x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
-                [x.keys.centroid_k for x in m], [x.keys.log_count for x in m])
+                [x.keys.centroid_k if c is None else c.codes for x, c in zip(m, codes)],
+                [x.keys.log_count for x in m],
+                [_NO_CODES if c is None else c.lo for c in codes] if bits else [],
+                [_NO_CODES if c is None else c.step for c in codes] if bits else [], bits)
 
     @functools.cached_property
     def kernel_bases(self) -> tuple[list[torch.Tensor], ...]:
@@ -234,7 +241,7 @@ class SeKVRuntime:
         for i, name in enumerate(self.layer_names):
             k, v = mem.rows[name].view()
             layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max,
-                                   0 if zoom_all else cfg.score_centroids,
+                                   0 if zoom_all else cfg.score_centroids, cfg.score_bits,
                                    None if zoom_all else functools.partial(self.policy.key_gates, i))
             if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
                 self.pool.release(req_id)

@@ -18,6 +18,8 @@ from benchmarks.suite.run import averages, load_records, pending_jobs, summarize
     ({"backends": ["sglang"]}, "backends: Value error, unknown backend(s) ['sglang']; allowed: ['vllm', 'sekv', 'sekv:span_score', 'sekv:router', 'kvpress:snapkv'"),
     ({"backends": ["sekv:span_score@c99"]}, "unknown backend(s) ['sekv:span_score@c99']"),
     ({"backends": ["vllm@c4"]}, "unknown backend(s) ['vllm@c4']"),
+    ({"backends": ["sekv@c32b3"]}, "unknown backend(s) ['sekv@c32b3']"),
+    ({"backends": ["sekv@c32x"]}, "unknown backend(s) ['sekv@c32x']"),
     ({"via": "grpc"}, "via: Input should be 'offline' or 'server'"),
     ({"concurrency": 0}, "concurrency: Input should be greater than or equal to 1"),
 ])
@@ -32,10 +34,11 @@ def test_sekv_backend_settings():
     assert grid.sekv_settings("vllm") is None
     assert grid.sekv_settings("sekv:span_score@c0") == {"zoom_policy": "span_score", "score_centroids": 0}
     assert grid.sekv_settings("sekv:router") == {"zoom_policy": "router"}
+    assert grid.sekv_settings("sekv:router@c32b2") == {"zoom_policy": "router", "score_centroids": 32, "score_bits": 2}
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'oracle', 'quick', 'router'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'oracle', 'quick', 'router', 'zoom'\]"):
         make_grid("fast")
 
 
@@ -141,3 +144,27 @@ def test_kvpress_peer_on_the_same_samples(tmp_path):
     assert all(0.45 < r["fast_tier_fraction"] < 0.6 for r in half)
     ci = make_grid("ci").jobs()
     assert {(r["seed"], r["depth"]) for r in full} == {(j["seed"], j["depth"]) for j in ci if j["backend"] == "vllm"}
+
+
+def test_compare_puts_runs_side_by_side_against_full_kv(tmp_path):
+    from benchmarks.suite.compare import table as compare_table
+
+    def run(name, backend, accs, sekv_config):
+        rows = [{"backend": backend, "budget": 0.125 if backend != "vllm" else 1.0, "task": "needle", "length": n,
+                 "samples": 2, "accuracy": a, "fast_tier_fraction": 0.2 if backend != "vllm" else 1.0}
+                for n, a in zip((1000, 2000), accs)]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(
+            {"command": f"python -m benchmarks.suite.run --out {name}", "grid": {"sekv_config": sekv_config}, "rows": rows}))
+        return tmp_path / name
+
+    full = run("full", "vllm", [1.0, 0.5], {})
+    a = run("a", "sekv:router", [0.5, 0.5], {"window": 16})
+    b = run("b", "sekv:span_score", [1.0, 0.5], {})
+    out = compare_table([a, b], full)
+    assert '| needle | ~1000 | 1.00 | 0.50 | 1.00 |' in out
+    assert 'a: sekv:router 0.125 {"window": 16}' in out and "b: sekv:span_score 0.125 |" in out
+    assert "| **average** | | **0.75** | **0.50** | **0.75** |" in out
+    assert "| average / full KV | | 1.00 | 0.67 | 1.00 |" in out
+    with pytest.raises(SystemExit, match="no stock vLLM"):
+        compare_table([a], b)

@@ -1,6 +1,8 @@
 """Span scoring keys: key centroids estimate each span's attention mass (torch only)."""
 import math
 
+import pytest
+
 import torch
 
 from sekv_vllm.core import SpanKeys, segment_prompt, span_keys, summarize_spans
@@ -75,3 +77,41 @@ def test_clustered_keys_are_scored_near_exactly_and_a_needle_is_not_averaged_awa
     assert (four.argmax(dim=1) == 7).all()  # the centroids find the needle's span
     assert (four - exact).abs()[:, [i for i in range(10) if i != 7]].max() < 0.1
     assert (plain - exact).abs().max() > (four - exact).abs().max()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantized_keys_round_trip_within_half_a_step_and_count_their_bytes(bits):
+    k, s, layout, q = prompt(400, 4)
+    summary = summarize_spans(k, s, layout.span_start, layout.span_len)
+    exact = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=16)
+    coded = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=16, bits=bits)
+    assert coded.centroid_k is None and coded.codes.codes.dtype == torch.uint8
+    present = (exact.log_count > float("-inf"))[..., None]  # [S, C, Hkv, 1]
+    err = (coded.centroids() - exact.centroid_k.float()).abs() * present
+    half_step = coded.codes.step.float()[:, None] / 2 + 1e-3  # [S, 1, Hkv, D]
+    assert (err <= half_step).all()
+    S, C = layout.num_spans, 16
+    assert coded.centroid_nbytes == S * HKV * C * D * bits // 8 + 2 * S * HKV * D * 2 + S * C * HKV * 2
+    # more bits, closer to the exact span mass
+    errors = [(span_keys(k, summary, layout.span_start, layout.span_len, 16, b).score(q, SCALE)
+               - exact_span_mass(q, k, layout)).abs().mean() for b in (2, 4, 8)]
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.02
+
+
+def test_two_bit_keys_still_find_the_needle_span():
+    g = torch.Generator().manual_seed(5)
+    T, n = 10 * 16, 16
+    k = torch.randn(T, HKV, D, generator=g)
+    q = torch.randn(H, D, generator=g) * 3
+    k[7 * n + 5] = q.view(HKV, H // HKV, D).mean(dim=1) * 2  # the needle, in span 7
+    start, length = torch.arange(10) * n, torch.full((10,), n)
+    summary = summarize_spans(k, torch.ones(T), start, length)
+    two_bit = span_keys(k, summary, start, length, num_centroids=16, bits=2).score(q, SCALE)
+    assert (two_bit.argmax(dim=1) == 7).all()
+
+
+def test_unsupported_bits_are_refused_naming_the_field():
+    k, s, layout, _ = prompt(200, 6)
+    summary = summarize_spans(k, s, layout.span_start, layout.span_len)
+    with pytest.raises(ValueError, match="score_bits"):
+        span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=4, bits=3)

@@ -35,7 +35,8 @@ def test_page_count_drops_to_the_fast_tier_share_after_compression(model_dir, es
     assert max(after) <= keep + math.ceil((n + 8) / bs) - n // bs  # generated tokens may open one more
     assert fig["vllm_pages_held_bytes"] == (keep + tail) * block_bytes
     assert fig["vllm_pages_returned_bytes"] == (math.ceil(n / bs) - keep - tail) * block_bytes
-    assert keep <= math.ceil(0.2 * (n // bs))  # 12.5% budget + scoring centroids: most pages go back
+    # 12.5% budget + every span key at 2 bits + router features (~21% of full KV at 2K): most pages go back
+    assert keep <= math.ceil(0.25 * (n // bs))
     assert r["free_at_end"] == r["free_at_start"]
     assert "returned" in r["stderr"] and "pages to vLLM's pool" in r["stderr"]
 

@@ -41,6 +41,9 @@ CASES = {
     "span_score, 4 centroids": dict(budget_ratio=0.125, zoom_policy="span_score"),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
     "router, low-rank factors": dict(budget_ratio=0.3, r_max=8, max_span=16),
+    "span_score, every key at 2 bits": dict(budget_ratio=0.125, zoom_policy="span_score", score_centroids=32,
+                                            score_bits=2),
+    "router, 4 centroids at 4 bits": dict(budget_ratio=0.125, score_bits=4),
 }
 
 
@@ -74,7 +77,7 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     kernel = kernel_or_skip()
     rt = _runtime({"a": 800}, budget_ratio=0.125)
     with pytest.raises(RuntimeError, match="every per-request list"):
-        kernel.span_decode(torch.zeros(2, 9, 64), *([[]] * 13), torch.zeros(2, dtype=torch.int64),
+        kernel.span_decode(torch.zeros(2, 9, 64), *([[]] * 9), 0, *([[]] * 6), torch.zeros(2, dtype=torch.int64),
                            torch.zeros(2, dtype=torch.bool), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1)
     assert rt.requests["a"].zoom_budget > 0
 
