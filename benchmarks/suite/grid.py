@@ -13,9 +13,8 @@ its samples below it, so the two never overlap.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.engine import make_llm, run_in_subprocess
-from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
+from benchmarks.suite.grid import PROFILES, Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import make_record
 from sekv_vllm.tasks.ruler import chat_prompt, make_sample, split_after_question, token_counter
 
@@ -146,7 +146,7 @@ def averages(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", default=None, help="a profile of benchmarks.suite.grid.PROFILES (ci, quick, router, centroids, oracle, full); other flags override its fields")
+    parser.add_argument("--profile", default=None, help=f"one of {sorted(PROFILES)}; other flags override its fields")
     parser.add_argument("--tasks", nargs="+", default=None)
     parser.add_argument("--lengths", nargs="+", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None)

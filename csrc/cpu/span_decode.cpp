@@ -281,7 +281,7 @@ std::vector<torch::Tensor> span_decode(
     if (r.code_bits) {
       const int64_t m = 8 / r.code_bits;
       TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(1) == Hkv &&
-                      ck.size(2) * m == D && D % m == 0,
+                      ck.size(2) * m == D,
                   "centroid codes must be contiguous [S, Hkv, D / m, C] uint8, m = 8 / code_bits");
       const auto& lo = centroid_lo[b];
       const auto& st = centroid_step[b];
@@ -338,7 +338,7 @@ std::vector<torch::Tensor> span_decode(
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> cent(D), step(D), qstep(G * D), val, acc_c, feat(F), group, logits, scores, lse, qb, acc;
+    std::vector<float> cent(D), step(D), qstep(G * D), base(G), val, acc_c, feat(F), group, logits, scores, lse, qb, acc;
     std::vector<int64_t> order;
     std::vector<char> zoomed;
 #pragma omp for schedule(dynamic, 1)
@@ -375,12 +375,10 @@ std::vector<torch::Tensor> span_decode(
             for (int64_t d = 0; d < D; ++d) qstep[g * D + d] = qg[g * D + d] * step[d];
           }
           code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, G, D, static_cast<int>(bits));
-          for (int64_t g = 0; g < G; ++g) {
-            const float base = dot(qg + g * D, cent.data(), D);
-            for (int64_t c = 0; c < C; ++c) {
-              scores[(s * G + g) * C + c] =
-                  (base + acc_c[g * C + c]) * fscore + half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
-            }
+          for (int64_t g = 0; g < G; ++g) base[g] = dot(qg + g * D, cent.data(), D);
+          for (int64_t c = 0; c < C; ++c) {
+            const float lc = half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
+            for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = (base[g] + acc_c[g * C + c]) * fscore + lc;
           }
         }
         for (int64_t s = 0; s < S && !r.code_bits; ++s) {
