@@ -45,7 +45,7 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 
 // exp(x) to about 2e-7 relative error (Cephes' expf polynomial), branch-free so that loops of it
 // vectorise (glibc's expf does not); exactly 0 below -87.3 (so exp(-inf) = 0).
-inline float exp_poly(float x) {
+__attribute__((always_inline)) inline float exp_poly(float x) {
   const float lo = -87.3f, hi = 88.3f;
   const bool under = x < lo;
   x = x < lo ? lo : (x > hi ? hi : x);
@@ -67,7 +67,7 @@ inline float exp_poly(float x) {
 
 // log(x) for a positive normal x to about 1e-7 relative error (Cephes' logf polynomial),
 // branch-free so that loops of it vectorise.
-inline float log_poly(float x) {
+__attribute__((always_inline)) inline float log_poly(float x) {
   int32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   float e = static_cast<float>(((bits >> 23) & 0xff) - 126);
@@ -117,18 +117,17 @@ inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, s
 
 #if defined(__AVX512F__)
 // code_dots for G query heads known at compile time: the G accumulators of 16 centroids stay in registers.
-template <int G>
-inline void code_dots_lanes(const uint8_t* codes, const float* qstep, float* acc, int64_t Dm, int64_t C, int64_t D,
-                            int bits) {
-  const int64_t m = 8 / bits;
-  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-  for (int64_t c0 = 0; c0 < C; c0 += 16) {
+template <int G, int BITS>
+inline void code_dots_lanes(const uint8_t* codes, const float* qstep, float* acc, int64_t Dm, int64_t C, int64_t Ce,
+                            int64_t D) {
+  constexpr int m = 8 / BITS;
+  for (int64_t c0 = 0; c0 < Ce; c0 += 16) {
     __m512 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
     for (int64_t j = 0; j < Dm; ++j) {
       const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * C + c0)));
-      for (int64_t i = 0; i < m; ++i) {
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(i * bits)), mask));
+      for (int i = 0; i < m; ++i) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(((1 << BITS) - 1) << (i * BITS))));
         const int64_t d = j + i * Dm;
         for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(qstep[g * D + d]), v, a[g]);
       }
@@ -138,42 +137,240 @@ inline void code_dots_lanes(const uint8_t* codes, const float* qstep, float* acc
 }
 #endif
 
-// acc[g * C + c] = sum_d qstep[g * D + d] * code(c, d) for one span's codes [Dm, C] (see span_decode); val: C
-// floats of scratch. With AVX-512 (C a multiple of 16, up to 4 query heads per KV head), 16 centroids per
-// vector register.
+// acc[g * C + c] = sum_d qstep[g * D + d] * (code(c, d) << i * bits) for one span's codes [Dm, C] (see
+// span_decode) and c < Ce, where d = j + i * Dm: the codes are masked in place, not shifted, and qstep
+// carries the 2^(-i * bits) instead (scaling by a power of two is exact: the products are those of the
+// shifted codes). val: C floats of scratch. With AVX-512 (C a multiple of 16, up to 4 query heads per KV
+// head), 16 centroids per vector register, Ce rounded up to 16.
 inline void code_dots(const uint8_t* codes, const float* qstep, float* acc, float* val, int64_t Dm, int64_t C,
-                      int64_t G, int64_t D, int bits) {
+                      int64_t Ce, int64_t G, int64_t D, int bits) {
 #if defined(__AVX512F__)
-  if (C % 16 == 0) {
-    switch (G) {
-      case 1: return code_dots_lanes<1>(codes, qstep, acc, Dm, C, D, bits);
-      case 2: return code_dots_lanes<2>(codes, qstep, acc, Dm, C, D, bits);
-      case 3: return code_dots_lanes<3>(codes, qstep, acc, Dm, C, D, bits);
-      case 4: return code_dots_lanes<4>(codes, qstep, acc, Dm, C, D, bits);
-      default: break;
-    }
+  if (C % 16 == 0 && G <= 4) {
+    using Lanes = void (*)(const uint8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+    static constexpr Lanes lanes[4][3] = {
+        {code_dots_lanes<1, 2>, code_dots_lanes<1, 4>, code_dots_lanes<1, 8>},
+        {code_dots_lanes<2, 2>, code_dots_lanes<2, 4>, code_dots_lanes<2, 8>},
+        {code_dots_lanes<3, 2>, code_dots_lanes<3, 4>, code_dots_lanes<3, 8>},
+        {code_dots_lanes<4, 2>, code_dots_lanes<4, 4>, code_dots_lanes<4, 8>}};
+    return lanes[G - 1][bits == 2 ? 0 : (bits == 4 ? 1 : 2)](codes, qstep, acc, Dm, C, Ce, D);
   }
 #endif
   const int64_t m = 8 / bits;
-  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
-  std::fill(acc, acc + G * C, 0.f);
+  for (int64_t g = 0; g < G; ++g) std::fill(acc + g * C, acc + g * C + Ce, 0.f);
   for (int64_t j = 0; j < Dm; ++j) {
     const uint8_t* col = codes + j * C;
     for (int64_t i = 0; i < m; ++i) {
-      const int sh = static_cast<int>(i * bits);
+      const int mask = ((1 << bits) - 1) << (i * bits);
       const int64_t d = j + i * Dm;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) val[c] = static_cast<float>((col[c] >> sh) & mask);
-      for (int64_t g = 0; g < G; ++g) axpy(qstep[g * D + d], val, acc + g * C, C);
+      for (int64_t c = 0; c < Ce; ++c) val[c] = static_cast<float>(col[c] & mask);
+      for (int64_t g = 0; g < G; ++g) axpy(qstep[g * D + d], val, acc + g * C, Ce);
     }
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane j of the result is the sum of t[j]'s 16 lanes: 16 horizontal sums for the price of about three.
+inline __m512 transpose_sum16(const __m512* t) {
+  __m512 a[8], b[4];
+  for (int j = 0; j < 8; ++j) {
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * j], t[2 * j + 1]), _mm512_unpackhi_ps(t[2 * j], t[2 * j + 1]));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// Lane j = q . rows[j] for 16 rows of 16 * DV elements.
+template <int DV, typename T>
+inline __m512 dots16(const T* const* rows, const float* q) {
+  __m512 qv[DV], t[16];
+  for (int k = 0; k < DV; ++k) qv[k] = _mm512_loadu_ps(q + 16 * k);
+  for (int j = 0; j < 16; ++j) {
+    __m512 acc = _mm512_mul_ps(load16(rows[j]), qv[0]);
+    for (int k = 1; k < DV; ++k) acc = _mm512_fmadd_ps(load16(rows[j] + 16 * k), qv[k], acc);
+    t[j] = acc;
+  }
+  return transpose_sum16(t);
+}
+
+// exp_poly on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), y, _mm512_castsi512_ps(e));
+}
+
+// The logsumexp of x_c = (base + acc[c]) * fscore + lcount[c] over c < n (n a multiple of 16; a -inf lcount adds
+// nothing) as its two halves: top = max_c x_c and *sum = sum_c exp(x_c - top) (its log is taken later, 16 at a time).
+inline float span_max_sumexp16(const float* acc, const float* lcount, float base, float fscore, int64_t n,
+                               float* sum) {
+  const __m512 b = _mm512_set1_ps(base), f = _mm512_set1_ps(fscore);
+  auto logit = [&](int64_t c) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(b, _mm512_loadu_ps(acc + c)), f), _mm512_loadu_ps(lcount + c));
+  };
+  __m512 top = _mm512_set1_ps(kNegInf);
+  for (int64_t c = 0; c < n; c += 16) top = _mm512_max_ps(top, logit(c));
+  const float t = _mm512_reduce_max_ps(top);
+  const __m512 tv = _mm512_set1_ps(t);
+  __m512 acc_sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) acc_sum = _mm512_add_ps(acc_sum, exp16(_mm512_sub_ps(logit(c), tv)));
+  *sum = _mm512_reduce_add_ps(acc_sum);
+  return t;
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+template <int DV>
+void row_logits_lanes(const float* const* rows, const float* const* next_rows, int64_t n, const float* qg, int64_t G,
+                      float scale, float* logits, int64_t ld) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    if (i + 16 < n) {
+      for (int j = 0; j < 16; ++j) prefetch(rows[i + 16 + j], DV * 64);
+    }
+    for (int64_t j = i; j < std::min<int64_t>(i + 16, n); ++j) prefetch(next_rows[j], DV * 64);
+    for (int64_t g = 0; g < G; ++g) {
+      _mm512_mask_storeu_ps(logits + g * ld + i, first_lanes(n - i),
+                            _mm512_mul_ps(dots16<DV>(rows + i, qg + g * 16 * DV), sc));
+    }
+  }
+}
+
+// The G output rows held in registers over all n rows.
+template <int G, int DV>
+void weighted_rows_lanes(const float* const* rows, int64_t n, const float* w, int64_t ld, float* out) {
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < DV; ++k) acc[g][k] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 8 < n) prefetch(rows[i + 8], DV * 64);
+    __m512 x[DV];
+    for (int k = 0; k < DV; ++k) x[k] = _mm512_loadu_ps(rows[i] + 16 * k);
+    for (int g = 0; g < G; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * ld + i]);
+      for (int k = 0; k < DV; ++k) acc[g][k] = _mm512_fmadd_ps(wg, x[k], acc[g][k]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < DV; ++k) _mm512_storeu_ps(out + (g * DV + k) * 16, acc[g][k]);
+  }
+}
+#endif
+
+// logits[g * ld + i] = (q_g . rows[i]) * scale for the G query heads q_g = qg + g * D and i < n. rows: n
+// pointers to D floats, padded to a multiple of 16 (with pointers to any readable row) for the vector path;
+// next_rows: n rows read next (the values), asked for from memory on the way.
+void row_logits(const float* const* rows, const float* const* next_rows, int64_t n, const float* qg, int64_t G,
+                int64_t D, float scale, float* logits, int64_t ld) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 64: return row_logits_lanes<4>(rows, next_rows, n, qg, G, scale, logits, ld);
+    case 128: return row_logits_lanes<8>(rows, next_rows, n, qg, G, scale, logits, ld);
+    default: break;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 8 < n) prefetch(rows[i + 8], D * 4);
+    prefetch(next_rows[i], D * 4);
+    for (int64_t g = 0; g < G; ++g) logits[g * ld + i] = dot(qg + g * D, rows[i], D) * scale;
+  }
+}
+
+// out[g * D + d] = sum_i w[g * ld + i] * rows[i][d] (overwritten), for rows: n pointers to D floats.
+void weighted_rows(const float* const* rows, int64_t n, const float* w, int64_t ld, int64_t G, int64_t D,
+                   float* out) {
+#if defined(__AVX512F__)
+  if (D == 64) {
+    switch (G) {
+      case 1: return weighted_rows_lanes<1, 4>(rows, n, w, ld, out);
+      case 2: return weighted_rows_lanes<2, 4>(rows, n, w, ld, out);
+      case 3: return weighted_rows_lanes<3, 4>(rows, n, w, ld, out);
+      case 4: return weighted_rows_lanes<4, 4>(rows, n, w, ld, out);
+      default: break;
+    }
+  } else if (D == 128) {
+    switch (G) {
+      case 1: return weighted_rows_lanes<1, 8>(rows, n, w, ld, out);
+      case 2: return weighted_rows_lanes<2, 8>(rows, n, w, ld, out);
+      default: break;
+    }
+  }
+#endif
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 8 < n) prefetch(rows[i + 8], D * 4);
+    for (int64_t g = 0; g < G; ++g) axpy(w[g * ld + i], rows[i], out + g * D, D);
+  }
+}
+
+// out[s] = q . features[(s * H + h) * F, + F) for s < S (one query head h's learned term of every span).
+// zero: F readable halves, read in place of the rows past S in the vector path.
+void feature_dots(const c10::Half* features, int64_t S, int64_t H, int64_t F, int64_t h, const float* q,
+                  const c10::Half* zero, float* scratch, float* out) {
+#if defined(__AVX512F__)
+  if (F == 16 || F == 32 || F == 64) {
+    const c10::Half* rows[16];
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      for (int j = 0; j < 16; ++j) {
+        rows[j] = s0 + j < S ? features + ((s0 + j) * H + h) * F : zero;
+        if (s0 + 16 + j < S) prefetch(features + ((s0 + 16 + j) * H + h) * F, F * 2);
+      }
+      const __m512 v = F == 16 ? dots16<1>(rows, q) : (F == 32 ? dots16<2>(rows, q) : dots16<4>(rows, q));
+      _mm512_mask_storeu_ps(out + s0, first_lanes(S - s0), v);
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < S; ++s) {
+    to_float(features + (s * H + h) * F, scratch, F);
+    out[s] = dot(q, scratch, F);
+  }
+}
+
+// A key that orders (score, span) pairs as the zoom takes them: higher score first, then the earlier span.
+// The float's bits are mapped so that unsigned order is numeric order (-inf lowest).
+inline uint64_t order_key(float score, int64_t span) {
+  score += 0.f;  // -0 and +0 alike, as they compare
+  uint32_t bits;
+  std::memcpy(&bits, &score, sizeof(bits));
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<uint64_t>(bits) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(span));
+}
+
 // The inputs of one request (batch position b).
 struct Request {
-  const float* full_k;  // [N, Hkv, D]
-  const float* full_v;
+  float* full_k;  // [N, Hkv, D] (its first num_full rows)
+  float* full_v;
   int64_t num_full;
+  const float* new_k;  // [Hkv, D]: written to row num_full - 1 first, or null
+  const float* new_v;
   const float* summary_k;  // [S, Hkv, D]
   const float* summary_v;
   const int64_t* span_len;  // [S]
@@ -183,7 +380,7 @@ struct Request {
   int64_t code_bits;  // 0: centroids are half/float; else bits per code (m = 8 / bits codes per byte)
   const c10::Half* centroid_lo;  // [S, Hkv, D] (codes only)
   const c10::Half* centroid_step;
-  const c10::Half* log_count;  // [S, C, Hkv]
+  const c10::Half* log_count;  // [S, Hkv, C]
   int64_t num_centroids;
   const c10::Half* key_features;  // [S, H, F] or null
   const float* coef_k;  // [P, Hkv, R], or the rows [P, Hkv, D] when `rows`
@@ -209,19 +406,22 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// q: [B, H, D] float32. Per request b (lists of B tensors): full_k/full_v [N_b, Hkv, D] float32;
+// q: [B, H, D] float32. Per request b (lists of B tensors): full_k/full_v [N_b, Hkv, D] float32, of which
+// the first num_full[b] rows ([B] int64) are attended; new_k/new_v [B, Hkv, D] float32 (or empty): each
+// request's newest row, written to row num_full[b] - 1 of its full_k/full_v before it is attended;
 // summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
 // float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
 // byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
 // [S_b, Hkv, D] float16 (value = lo + step * code; empty lists when no request has codes);
-// log_count [S_b, C_b, Hkv] float16; key_features [S_b, H, F] float16 (empty
+// log_count [S_b, Hkv, C_b] float16; key_features [S_b, H, F] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
 // |s| - 1); zoom_all [B] bool. query_features [B, H, F] float32 (already divided by sqrt(F)) or
 // empty; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
-// Returns (out [B, H, D] float32, zoom [sum S_b, Hkv] bool).
+// Returns (out [B, H, D] float32, zoom [sum S_b, Hkv] bool, zoomed_spans [B] int64: spans zoomed by any head).
 std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& full_k, const std::vector<torch::Tensor>& full_v,
+    const torch::Tensor& num_full, const torch::Tensor& new_k, const torch::Tensor& new_v,
     const std::vector<torch::Tensor>& summary_k, const std::vector<torch::Tensor>& summary_v,
     const std::vector<torch::Tensor>& span_len, const std::vector<torch::Tensor>& centroid_k,
     const std::vector<torch::Tensor>& log_count, const std::vector<torch::Tensor>& centroid_lo,
@@ -258,13 +458,23 @@ std::vector<torch::Tensor> span_decode(
   const bool* zoom_all_p = zoom_all.data_ptr<bool>();
   TORCH_CHECK(budgets.numel() == B && zoom_all.numel() == B, "budgets and zoom_all must have B entries");
 
+  const int64_t* num_full_p = i64(num_full, "num_full");
+  TORCH_CHECK(num_full.numel() == B, "num_full must have B entries");
+  const bool appending = new_k.numel() > 0;
+  TORCH_CHECK(!appending || (new_k.dim() == 3 && new_k.size(0) == B && new_k.size(1) == Hkv && new_k.size(2) == D &&
+                             new_v.sizes() == new_k.sizes()),
+              "new_k/new_v must be [B, Hkv, D] alike, or empty");
+  const float* new_k_p = appending ? f32(new_k, "new_k") : nullptr;
+  const float* new_v_p = appending ? f32(new_v, "new_v") : nullptr;
   std::vector<Request> reqs(B);
   std::vector<int64_t> span_offset(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     Request& r = reqs[b];
-    r.full_k = f32(full_k[b], "full_k");
-    r.full_v = f32(full_v[b], "full_v");
-    r.num_full = full_k[b].size(0);
+    r.full_k = const_cast<float*>(f32(full_k[b], "full_k"));
+    r.full_v = const_cast<float*>(f32(full_v[b], "full_v"));
+    r.num_full = num_full_p[b];
+    r.new_k = appending ? new_k_p + b * Hkv * D : nullptr;
+    r.new_v = appending ? new_v_p + b * Hkv * D : nullptr;
     r.summary_k = f32(summary_k[b], "summary_k");
     r.summary_v = f32(summary_v[b], "summary_v");
     r.span_len = i64(span_len[b], "span_len");
@@ -272,6 +482,8 @@ std::vector<torch::Tensor> span_decode(
     TORCH_CHECK(full_k[b].dim() == 3 && full_k[b].size(1) == Hkv && full_k[b].size(2) == D &&
                     full_v[b].sizes() == full_k[b].sizes(),
                 "full_k/full_v must be [N, Hkv, D] alike");
+    TORCH_CHECK(r.num_full >= (appending ? 1 : 0) && r.num_full <= full_k[b].size(0),
+                "num_full must be within the rows of full_k (at least 1 with new rows)");
     TORCH_CHECK(summary_k[b].dim() == 3 && summary_k[b].size(0) == r.num_spans && summary_k[b].size(1) == Hkv &&
                     summary_k[b].size(2) == D && summary_v[b].sizes() == summary_k[b].sizes(),
                 "summary_k/summary_v must be [S, Hkv, D] with S = span_len.numel()");
@@ -301,7 +513,9 @@ std::vector<torch::Tensor> span_decode(
     }
     r.centroid_half = ck.scalar_type() == torch::kHalf;
     r.centroid_k = ck.data_ptr();
-    TORCH_CHECK(log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous(), "log_count must be float16");
+    TORCH_CHECK(log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous() &&
+                    log_count[b].numel() == r.num_spans * Hkv * r.num_centroids,
+                "log_count must be contiguous float16 [S, Hkv, C]");
     r.log_count = log_count[b].data_ptr<c10::Half>();
     if (learned) {
       TORCH_CHECK(key_features[b].scalar_type() == torch::kHalf && key_features[b].is_contiguous(),
@@ -338,8 +552,12 @@ std::vector<torch::Tensor> span_decode(
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> cent(D), step(D), qstep(G * D), base(G), val, acc_c, feat(F), group, logits, scores, lse, qb, acc;
-    std::vector<int64_t> order;
+    std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, feat(F), learned_term,
+        group, logits, scores, lse, sums, qb, acc;
+    const std::vector<float> zero_row(D, 0.f);
+    const std::vector<c10::Half> zero_features(F, c10::Half(0.f));
+    std::vector<const float*> krows, vrows;
+    std::vector<uint64_t> order;
     std::vector<char> zoomed;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
@@ -347,9 +565,14 @@ std::vector<torch::Tensor> span_decode(
       const Request& r = reqs[b];
       const int64_t S = r.num_spans, C = r.num_centroids, R = r.rank;
       const float* qg = qp + (b * H + kh * G) * D;  // the G query heads of this KV head
+      if (r.new_k) {
+        std::copy(r.new_k + kh * D, r.new_k + (kh + 1) * D, r.full_k + ((r.num_full - 1) * Hkv + kh) * D);
+        std::copy(r.new_v + kh * D, r.new_v + (kh + 1) * D, r.full_v + ((r.num_full - 1) * Hkv + kh) * D);
+      }
       if (r.code_bits) {
         val.resize(C);
         acc_c.resize(G * C);
+        lcount.resize(C);
       }
 
       // 1. Span scores: logsumexp over centroids (+ the learned term); the group's best eligible head.
@@ -358,7 +581,12 @@ std::vector<torch::Tensor> span_decode(
         // raw[(s * G + g) * C + c] = q_g . c_sc * score_scale + log n_sc; then a logsumexp over c.
         scores.resize(S * G * C);
         lse.resize(S * G);
+        sums.resize(S * G);
         const int64_t csize = r.centroid_half ? 2 : 4;
+        if (r.code_bits) {
+          const int64_t Dm = D * r.code_bits / 8;
+          for (int64_t d = 0; d < D; ++d) unshift[d] = std::ldexp(1.f, -static_cast<int>(d / Dm * r.code_bits));
+        }
         for (int64_t s = 0; s < S && r.code_bits; ++s) {
           // q . (lo + step * code) = q . lo + (q * step) . code. A span's codes are [D / m, C]: the C
           // centroids side by side, so every channel updates all C scores in vector lanes.
@@ -368,17 +596,37 @@ std::vector<torch::Tensor> span_decode(
             prefetch(codes + 2 * Hkv * Dm * C, Dm * C);
             prefetch(r.centroid_lo + ((s + 2) * Hkv + kh) * D, D * 2);
             prefetch(r.centroid_step + ((s + 2) * Hkv + kh) * D, D * 2);
+            prefetch(r.log_count + ((s + 2) * Hkv + kh) * C, C * 2);
           }
           to_float(r.centroid_lo + (s * Hkv + kh) * D, cent.data(), D);
           to_float(r.centroid_step + (s * Hkv + kh) * D, step.data(), D);
           for (int64_t g = 0; g < G; ++g) {
-            for (int64_t d = 0; d < D; ++d) qstep[g * D + d] = qg[g * D + d] * step[d];
+            for (int64_t d = 0; d < D; ++d) qstep[g * D + d] = qg[g * D + d] * step[d] * unshift[d];
           }
-          code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, G, D, static_cast<int>(bits));
+          // Centroids past the span's last non-empty one (its tokens, when every key is a centroid)
+          // count 0: they are neither scored nor summed.
+          to_float(r.log_count + (s * Hkv + kh) * C, lcount.data(), C);
+          int64_t Ce = C;
+          while (Ce > 1 && lcount[Ce - 1] == kNegInf) --Ce;
+          code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, std::min<int64_t>(C, (Ce + 15) / 16 * 16),
+                    G, D, static_cast<int>(bits));
           for (int64_t g = 0; g < G; ++g) base[g] = dot(qg + g * D, cent.data(), D);
-          for (int64_t c = 0; c < C; ++c) {
-            const float lc = half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
-            for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = (base[g] + acc_c[g * C + c]) * fscore + lc;
+#if defined(__AVX512F__)
+          if (C % 16 == 0) {  // the logsumexp right away, from registers (but its log)
+            for (int64_t g = 0; g < G; ++g) {
+              lse[s * G + g] = span_max_sumexp16(acc_c.data() + g * C, lcount.data(), base[g], fscore,
+                                                 (Ce + 15) / 16 * 16, &sums[s * G + g]);
+            }
+            continue;
+          }
+#endif
+          for (int64_t g = 0; g < G; ++g) {
+            const float bg = base[g];
+            const float* a = acc_c.data() + g * C;
+            float* dst = scores.data() + (s * G + g) * C;
+#pragma omp simd
+            for (int64_t c = 0; c < Ce; ++c) dst[c] = (bg + a[c]) * fscore + lcount[c];
+            std::fill(dst + Ce, dst + C, kNegInf);
           }
         }
         for (int64_t s = 0; s < S && !r.code_bits; ++s) {
@@ -394,7 +642,7 @@ std::vector<torch::Tensor> span_decode(
             } else {
               to_float(static_cast<const float*>(r.centroid_k) + at, cent.data(), D);
             }
-            const float lc = half_to_float(r.log_count[(s * C + c) * Hkv + kh]);
+            const float lc = half_to_float(r.log_count[(s * Hkv + kh) * C + c]);
             for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = dot(qg + g * D, cent.data(), D) * fscore + lc;
           }
         }
@@ -403,32 +651,45 @@ std::vector<torch::Tensor> span_decode(
         const int64_t SG = S * G, SGC = S * G * C;
         float* sc = scores.data();
         float* mx = lse.data();
-        for (int64_t i = 0; i < SG; ++i) {
+#if defined(__AVX512F__)
+        const bool lse_done = r.code_bits && C % 16 == 0;
+#else
+        const bool lse_done = false;
+#endif
+        for (int64_t i = 0; i < SG && !lse_done; ++i) {
           float top = kNegInf;
 #pragma omp simd reduction(max : top)
           for (int64_t c = 0; c < C; ++c) top = sc[i * C + c] > top ? sc[i * C + c] : top;
           mx[i] = top;
           for (int64_t c = 0; c < C; ++c) sc[i * C + c] -= mx[i];
         }
+        if (!lse_done) {
+          // one flat loop: whole vectors whatever C is
 #pragma omp simd
-        for (int64_t i = 0; i < SGC; ++i) sc[i] = exp_poly(sc[i]);
-        for (int64_t i = 0; i < SG; ++i) {
-          float sum = 0.f;
+          for (int64_t i = 0; i < SGC; ++i) sc[i] = exp_poly(sc[i]);
+          for (int64_t i = 0; i < SG; ++i) {
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < C; ++c) sum += sc[i * C + c];
-          sc[i] = sum;  // the sums overwrite the front, already read
+            for (int64_t c = 0; c < C; ++c) sum += sc[i * C + c];
+            sums[i] = sum;
+          }
         }
+        const float* sm = sums.data();
 #pragma omp simd
-        for (int64_t i = 0; i < SG; ++i) mx[i] += log_poly(sc[i]);
+        for (int64_t i = 0; i < SG; ++i) mx[i] += log_poly(sm[i]);
+        if (learned) {
+          learned_term.resize(G * S);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kh * G + g;
+            feature_dots(r.key_features, S, H, F, h, qf + (b * H + h) * F, zero_features.data(), feat.data(),
+                         learned_term.data() + g * S);
+          }
+        }
         for (int64_t s = 0; s < S; ++s) {
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kh * G + g;
             float score = lse[s * G + g];
-            if (learned) {
-              if (g == 0 && s + 8 < S) prefetch(r.key_features + ((s + 8) * H + kh * G) * F, G * F * 2);
-              to_float(r.key_features + (s * H + h) * F, feat.data(), F);
-              score += dot(qf + (b * H + h) * F, feat.data(), F);
-            }
+            if (learned) score += learned_term[g * S + s];
             score += bias_p[h];
             if (score > thr_p[h]) group[s] = std::max(group[s], score);
           }
@@ -437,11 +698,14 @@ std::vector<torch::Tensor> span_decode(
       // 2. Zoom: spans by descending group score (ties: earlier span first) while the rows fit.
       zoomed.assign(S, r.zoom_all ? 1 : 0);
       if (!r.zoom_all) {
+        // A max-heap of (score, span) keys, popped only as far as the budget goes (a few of S).
         order.resize(S);
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return group[a] > group[c]; });
+        for (int64_t s = 0; s < S; ++s) order[s] = order_key(group[s], s);
+        std::make_heap(order.begin(), order.end());
         int64_t rows = 0;
-        for (int64_t s : order) {
+        for (auto end = order.end(); end != order.begin(); --end) {
+          std::pop_heap(order.begin(), end);
+          const int64_t s = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(*(end - 1)));
           rows += r.span_len[s] - 1;
           if (rows > r.budget || group[s] == kNegInf) break;
           zoomed[s] = 1;
@@ -456,37 +720,43 @@ std::vector<torch::Tensor> span_decode(
         }
       }
       // 3. Logits of every row this KV head's queries attend: full rows, summaries of the spans
-      // not zoomed, zoomed tokens (q . k = (q B^T) . c through the span's factors).
+      // not zoomed, zoomed tokens (their rows in place, or q . k = (q B^T) . c through the span's factors).
       const int64_t n = r.num_full + (S - zoom_spans) + zoom_tokens;
+      krows.clear();
+      vrows.clear();
+      for (int64_t i = 0; i < r.num_full; ++i) {
+        krows.push_back(r.full_k + (i * Hkv + kh) * D);
+        vrows.push_back(r.full_v + (i * Hkv + kh) * D);
+      }
+      for (int64_t s = 0; s < S; ++s) {
+        if (zoomed[s]) continue;
+        krows.push_back(r.summary_k + (s * Hkv + kh) * D);
+        vrows.push_back(r.summary_v + (s * Hkv + kh) * D);
+      }
+      for (int64_t s = 0; s < S && r.rows; ++s) {
+        if (!zoomed[s]) continue;
+        for (int64_t t = 0; t < r.span_len[s]; ++t) {
+          krows.push_back(r.coef_k + ((r.row_offset[s] + t) * Hkv + kh) * D);
+          vrows.push_back(r.coef_v + ((r.row_offset[s] + t) * Hkv + kh) * D);
+        }
+      }
+      const int64_t direct = static_cast<int64_t>(krows.size());  // rows read in place
+      while (krows.size() % 16) krows.push_back(zero_row.data());
       logits.resize(G * n);
       qb.resize(G * R);
       acc.resize(G * R);
-      // Row by row, every query head of the group (a row is fetched once).
-      for (int64_t i = 0; i < r.num_full; ++i) {
-        if (i + 8 < r.num_full) prefetch(r.full_k + ((i + 8) * Hkv + kh) * D, D * 4);
-        const float* row = r.full_k + (i * Hkv + kh) * D;
-        for (int64_t g = 0; g < G; ++g) logits[g * n + i] = dot(qg + g * D, row, D) * fscale;
-      }
+      row_logits(krows.data(), vrows.data(), direct, qg, G, D, fscale, logits.data(), n);
       {
+        // a summary stands for its span's |s| tokens
         int64_t at = r.num_full;
         for (int64_t s = 0; s < S; ++s) {
-          if (s + 8 < S) prefetch(r.summary_k + ((s + 8) * Hkv + kh) * D, D * 4);
           if (zoomed[s]) continue;
-          const float* row = r.summary_k + (s * Hkv + kh) * D;
           const float bias_len = std::log(static_cast<float>(r.span_len[s]));
-          for (int64_t g = 0; g < G; ++g) logits[g * n + at] = dot(qg + g * D, row, D) * fscale + bias_len;
+          for (int64_t g = 0; g < G; ++g) logits[g * n + at] += bias_len;
           ++at;
         }
       }
-      int64_t at = r.num_full + (S - zoom_spans);
-      for (int64_t s = 0; s < S && r.rows; ++s) {
-        if (!zoomed[s]) continue;
-        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
-          prefetch(r.coef_k + ((r.row_offset[s] + t + 8) * Hkv + kh) * D, D * 4);
-          const float* row = r.coef_k + ((r.row_offset[s] + t) * Hkv + kh) * D;
-          for (int64_t g = 0; g < G; ++g) logits[g * n + at] = dot(qg + g * D, row, D) * fscale;
-        }
-      }
+      int64_t at = direct;
       for (int64_t s = 0; s < S && !r.rows; ++s) {
         if (!zoomed[s]) continue;
         const float* basis = r.basis_k + (s * Hkv + kh) * R * D;
@@ -513,34 +783,10 @@ std::vector<torch::Tensor> span_decode(
         const float inv = 1.f / den;
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
-        float* o = out_p + (b * H + kh * G + g) * D;
-        std::fill(o, o + D, 0.f);
       }
       float* og = out_p + (b * H + kh * G) * D;  // the group's G output rows
-      for (int64_t i = 0; i < r.num_full; ++i) {
-        if (i + 8 < r.num_full) prefetch(r.full_v + ((i + 8) * Hkv + kh) * D, D * 4);
-        const float* row = r.full_v + (i * Hkv + kh) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + i], row, og + g * D, D);
-      }
-      {
-        int64_t j = r.num_full;
-        for (int64_t s = 0; s < S; ++s) {
-          if (s + 8 < S) prefetch(r.summary_v + ((s + 8) * Hkv + kh) * D, D * 4);
-          if (zoomed[s]) continue;
-          const float* row = r.summary_v + (s * Hkv + kh) * D;
-          for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + j], row, og + g * D, D);
-          ++j;
-        }
-      }
-      at = r.num_full + (S - zoom_spans);
-      for (int64_t s = 0; s < S && r.rows; ++s) {
-        if (!zoomed[s]) continue;
-        for (int64_t t = 0; t < r.span_len[s]; ++t, ++at) {
-          prefetch(r.coef_v + ((r.row_offset[s] + t + 8) * Hkv + kh) * D, D * 4);
-          const float* row = r.coef_v + ((r.row_offset[s] + t) * Hkv + kh) * D;
-          for (int64_t g = 0; g < G; ++g) axpy(logits[g * n + at], row, out_p + (b * H + kh * G + g) * D, D);
-        }
-      }
+      weighted_rows(vrows.data(), direct, logits.data(), n, G, D, og);
+      at = direct;
       for (int64_t s = 0; s < S && !r.rows; ++s) {
         if (!zoomed[s]) continue;
         std::fill(acc.begin(), acc.end(), 0.f);
@@ -550,12 +796,19 @@ std::vector<torch::Tensor> span_decode(
         }
         const float* basis = r.basis_v + (s * Hkv + kh) * R * D;
         for (int64_t k = 0; k < R; ++k) {
-          for (int64_t g = 0; g < G; ++g) axpy(acc[g * R + k], basis + k * D, out_p + (b * H + kh * G + g) * D, D);
+          for (int64_t g = 0; g < G; ++g) axpy(acc[g * R + k], basis + k * D, og + g * D, D);
         }
       }
     }
   }
-  return {out, zoom};
+  auto zoomed_spans = torch::zeros({B}, q.options().dtype(torch::kInt64));
+  int64_t* zs = zoomed_spans.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = span_offset[b]; s < span_offset[b + 1]; ++s) {
+      zs[b] += std::any_of(zoom_p + s * Hkv, zoom_p + (s + 1) * Hkv, [](bool z) { return z; });
+    }
+  }
+  return {out, zoom, zoomed_spans};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

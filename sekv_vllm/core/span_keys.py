@@ -87,7 +87,7 @@ class SpanKeys:
     span_len:   [S] int64
     centroid_k: [S, C, Hkv, D]  key centroids of each span, C >= 1 (float16; the summary keys' dtype
                                 when C = 0), or None when they are kept as `codes`
-    log_count:  [S, C, Hkv] float16  log of the tokens each centroid stands for (-inf: none)
+    log_count:  [S, Hkv, C] float16  log of the tokens each centroid stands for (-inf: none)
     codes:      the centroids at a few bits per element, or None
     """
 
@@ -105,7 +105,7 @@ class SpanKeys:
     def of_summaries(cls, summary_k: torch.Tensor, span_len: torch.Tensor) -> "SpanKeys":
         """No centroids: each span scored through its summary key standing for |S| tokens."""
         S, Hkv, _ = summary_k.shape
-        log_len = torch.log(span_len.float()).half()[:, None, None].expand(S, 1, Hkv).contiguous()
+        log_len = torch.log(span_len.float()).half()[:, None, None].expand(S, Hkv, 1).contiguous()
         return cls(summary_k, span_len, summary_k[:, None], log_len)
 
     @property
@@ -125,7 +125,7 @@ class SpanKeys:
         S, C, Hkv, _ = cent.shape
         qg = q.float().reshape(*lead, Hkv, H // Hkv, D)
         logits = torch.einsum("...kgd,sckd->...kgsc", qg, cent) * scale
-        logits = logits + self.log_count.float().permute(2, 0, 1)[:, None]  # [Hkv, 1, S, C]
+        logits = logits + self.log_count.float().permute(1, 0, 2)[:, None]  # [Hkv, 1, S, C]
         return torch.logsumexp(logits, dim=-1).reshape(*lead, H, S)
 
     def score_rows(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -135,7 +135,7 @@ class SpanKeys:
         S, C, Hkv, D = cent.shape
         qg = q.float().view(S, Hkv, -1, D)
         logits = torch.einsum("skgd,sckd->skgc", qg, cent) * scale
-        logits = logits + self.log_count.float().permute(0, 2, 1)[:, :, None, :]  # [S, Hkv, 1, C]
+        logits = logits + self.log_count.float()[:, :, None, :]  # [S, Hkv, 1, C]
         return torch.logsumexp(logits, dim=-1).reshape(S, -1)
 
 
@@ -151,7 +151,7 @@ def concat_span_keys(parts: list[SpanKeys]) -> SpanKeys:
             return cent, p.log_count
         S, _, Hkv, D = cent.shape
         return (torch.cat([cent, cent.new_zeros(S, extra, Hkv, D)], dim=1),
-                torch.cat([p.log_count, p.log_count.new_full((S, extra, Hkv), float("-inf"))], dim=1))
+                torch.cat([p.log_count, p.log_count.new_full((S, Hkv, extra), float("-inf"))], dim=2))
 
     padded = [pad(p, c) for p, c in zip(parts, cents)]
     return SpanKeys(torch.cat([p.summary_k for p in parts]), torch.cat([p.span_len for p in parts]),
@@ -188,7 +188,7 @@ def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor
             count = one_hot.sum(dim=2)  # [S, Hkv, C]
             sums = torch.einsum("shlc,shld->shcd", one_hot, x)
             cent = torch.where(count[..., None] > 0, sums / count.clamp(min=1)[..., None], cent)
-    log_count = torch.log(count).half().permute(0, 2, 1).contiguous()
+    log_count = torch.log(count).half().contiguous()  # [S, Hkv, C]
     if bits != 16:
         return SpanKeys(summary_k, span_len, None, log_count, quantize_centroids(cent, count > 0, bits))
     return SpanKeys(summary_k, span_len, cent.permute(0, 2, 1, 3).half().contiguous(), log_count)

@@ -31,6 +31,8 @@ from sekv_vllm.runtime.row_buffer import RowBuffer
 logger = logging.getLogger("sekv_vllm")
 _NO_FEATURES = torch.zeros(0, dtype=torch.float16)
 _NO_CODES = torch.zeros(0, dtype=torch.float16)
+_NO_QUERY_FEATURES = torch.zeros(0, 0, 0)
+_NO_NEW_ROWS = torch.zeros(0)
 _ROWS = torch.zeros(0)
 
 
@@ -224,8 +226,13 @@ class SeKVRuntime:
             buf.write(start, k, v)
         else:  # decode rows join the window
             buf.append(k, v)
-            if layer_name == self.layer_names[0]:
-                mem.next_position += k.shape[0]
+            self._advance([req_id], layer_name, k.shape[0])
+
+    def _advance(self, req_ids: list[str], layer_name: str, n: int) -> None:
+        """Compressed requests' windows grew by n rows in a layer: count their positions once (first layer)."""
+        if layer_name == self.layer_names[0]:
+            for req_id in req_ids:
+                self.requests[req_id].next_position += n
 
     def compress(self, req_id: str) -> RequestMemory:
         """Segment the prompt and compress every layer from its captured rows."""
@@ -320,9 +327,13 @@ class SeKVRuntime:
         """q: [H, D] post-RoPE query of the newest token (already captured); returns [H, D] float32."""
         return self.attend_batch([req_id], layer_name, q[None], scale)[0]
 
-    def attend_batch(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend_batch(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float,
+                     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
         """Many compressed requests' newest tokens at once: q [B, H, D] -> [B, H, D] float32.
 
+        new_k, new_v: [B, Hkv, D] the newest tokens' rows, appended to the requests' windows here (as
+        `capture` would; the kernel writes them in place) before they are attended; None when they
+        were captured already.
         Each request gets its own mixed attention, whatever else decodes with it (bit for bit).
         The C++ kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch
         path (its reference) scores with `ZoomPolicy.span_scores`, zooms with
@@ -333,19 +344,30 @@ class SeKVRuntime:
         """
         batch = self._batch_spans(req_ids, layer_name)
         layer = self.layer_index[layer_name]
-        full = [self.requests[r].rows[layer_name].view() for r in req_ids]
         if self.kernel is not None:
+            bufs = [self.requests[r].rows[layer_name] for r in req_ids]
+            if new_k is not None:
+                for buf in bufs:
+                    buf.grow(1)
+                self._advance(req_ids, layer_name, 1)
             terms = self.policy.query_terms(layer, q, scale)
-            out, zoom = self.kernel.span_decode(
-                q.float().contiguous(), [k for k, _ in full], [v for _, v in full], *batch.kernel_spans,
+            out, _, zoomed = self.kernel.span_decode(
+                q.float().contiguous(), [b.k for b in bufs], [b.v for b in bufs],
+                torch.tensor([b.length for b in bufs], dtype=torch.int64),
+                _NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
+                _NO_NEW_ROWS if new_v is None else new_v.float().contiguous(), *batch.kernel_spans,
                 list(batch.features) if terms.features is not None else [], *batch.kernel_bases,
-                batch.budgets, batch.zoom_all, terms.features if terms.features is not None else q.new_zeros(0, 0, 0),
+                batch.budgets, batch.zoom_all, terms.features if terms.features is not None else _NO_QUERY_FEATURES,
                 terms.bias, terms.threshold, scale, terms.score_scale,
             )
         else:
+            if new_k is not None:
+                for i, req_id in enumerate(req_ids):
+                    self.capture(req_id, layer_name, 0, new_k[i : i + 1], new_v[i : i + 1])
+            full = [self.requests[r].rows[layer_name].view() for r in req_ids]
             out, zoom = self._attend_torch(batch, layer, q, full, scale)
-        counts = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoom.any(dim=1).long()).tolist()
-        for req_id, c in zip(req_ids, counts):
+            zoomed = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoom.any(dim=1).long())
+        for req_id, c in zip(req_ids, zoomed.tolist()):
             mem = self.requests[req_id]
             mem.decode_calls += 1
             mem.zoomed_spans_total += c

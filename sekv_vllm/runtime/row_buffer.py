@@ -33,6 +33,12 @@ class RowBuffer:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.write(self.length, k, v)
 
+    def grow(self, n: int) -> None:
+        """n more valid rows, written by the caller into `k` and `v` (after this call) at [length - n, length)."""
+        if self.length + n > self.k.shape[0]:
+            self._reserve(self.length + n)
+        self.length += n
+
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[: self.length], self.v[: self.length]
 

@@ -49,7 +49,7 @@ def test_centroids_count_every_token_once():
     k, s, layout, _ = prompt(500, 2)
     keys = span_keys(k, summarize_spans(k, s, layout.span_start, layout.span_len), layout.span_start,
                      layout.span_len, num_centroids=4)
-    counts = keys.log_count.float().exp().sum(dim=1)  # [S, Hkv]
+    counts = keys.log_count.float().exp().sum(dim=2)  # [S, Hkv]
     assert torch.allclose(counts, layout.span_len[:, None].float().expand_as(counts), rtol=2e-3)
     assert keys.centroid_nbytes == keys.centroid_k.numel() * 2 + keys.log_count.numel() * 2
 
@@ -86,7 +86,7 @@ def test_quantized_keys_round_trip_within_half_a_step_and_count_their_bytes(bits
     exact = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=16)
     coded = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=16, bits=bits)
     assert coded.centroid_k is None and coded.codes.codes.dtype == torch.uint8
-    present = (exact.log_count > float("-inf"))[..., None]  # [S, C, Hkv, 1]
+    present = (exact.log_count > float("-inf")).permute(0, 2, 1)[..., None]  # [S, C, Hkv, 1]
     err = (coded.centroids() - exact.centroid_k.float()).abs() * present
     half_step = coded.codes.step.float()[:, None] / 2 + 1e-3  # [S, 1, Hkv, D]
     assert (err <= half_step).all()

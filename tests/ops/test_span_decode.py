@@ -19,20 +19,21 @@ def kernel_or_skip():
         pytest.skip(f"C++ kernel not buildable here: {err}")
 
 
-def _runtime(prompts: dict[str, int], **cfg) -> SeKVRuntime:
-    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, SHAPE,
+def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, **cfg) -> SeKVRuntime:
+    rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, shape,
                      "SmolLM2-135M-Instruct")
+    Hkv, D = shape.num_kv_heads, shape.head_dim
     g = torch.Generator().manual_seed(11)
     for req, T in prompts.items():
         rt.admit(req, T, None)
         rt.record_surprisal(req, torch.arange(1, T), torch.rand(T - 1, generator=g) * 6)
         # keys drifting between a few directions, like real keys: spans differ in what they hold
-        directions = torch.randn(6, 3, 64, generator=g) * 2
+        directions = torch.randn(6, Hkv, D, generator=g) * 2
         for name in LAYERS:
-            k = directions[(torch.arange(T) // 17) % 6] + torch.randn(T, 3, 64, generator=g)
-            rt.capture(req, name, 0, k, torch.randn(T, 3, 64, generator=g))
+            k = directions[(torch.arange(T) // 17) % 6] + torch.randn(T, Hkv, D, generator=g)
+            rt.capture(req, name, 0, k, torch.randn(T, Hkv, D, generator=g))
         rt.compress(req)
-        rt.capture(req, LAYERS[1], 0, torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 64, generator=g))
+        rt.capture(req, LAYERS[1], 0, torch.randn(1, Hkv, D, generator=g), torch.randn(1, Hkv, D, generator=g))
     return rt
 
 
@@ -44,6 +45,10 @@ CASES = {
     "span_score, every key at 2 bits": dict(budget_ratio=0.125, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.125, score_bits=4),
+    # head_dim 32 and 4 query heads per KV head: the kernel's scalar paths (its vector paths take 64 and 128)
+    "span_score, every key at 2 bits, head_dim 32": dict(
+        budget_ratio=0.125, zoom_policy="span_score", score_centroids=32, score_bits=2,
+        shape=ModelShape(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32)),
 }
 
 
@@ -55,7 +60,8 @@ def test_kernel_matches_the_torch_path(case):
     rt = _runtime(prompts, **CASES[case])
     rt.requests["c"].zoom_all = True
     rt._batch_cache.clear()
-    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(4)) * 2
+    shape = CASES[case].get("shape", SHAPE)
+    q = torch.randn(3, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(4)) * 2
     ids = list(prompts)
     def zoomed() -> list[int]:
         return [rt.requests[r].zoomed_spans_total for r in ids]
@@ -77,10 +83,37 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     kernel = kernel_or_skip()
     rt = _runtime({"a": 800}, budget_ratio=0.125)
     with pytest.raises(RuntimeError, match="every per-request list"):
-        kernel.span_decode(torch.zeros(2, 9, 64), *([[]] * 9), 0, *([[]] * 6), torch.zeros(2, dtype=torch.int64),
+        kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), torch.zeros(0),
+                           torch.zeros(0), *([[]] * 7), 0, *([[]] * 6), torch.zeros(2, dtype=torch.int64),
                            torch.zeros(2, dtype=torch.bool), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1)
     assert rt.requests["a"].zoom_budget > 0
 
+
+
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
+    """attend_batch(..., new_k, new_v) appends each request's newest row (the kernel in place) and attends
+    it: the same output and windows as capturing the rows first."""
+    kernel = kernel_or_skip() if path == "cpp" else None
+    prompts = {"a": 900, "b": 1300}
+    fused, captured = _runtime(prompts), _runtime(prompts)
+    g = torch.Generator().manual_seed(5)
+    ids = list(prompts)
+    for rt in (fused, captured):
+        rt.kernel = kernel
+    for step in range(3):
+        q = torch.randn(2, 9, 64, generator=g)
+        k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+        for name in LAYERS:
+            for i, r in enumerate(ids):
+                captured.capture(r, name, 0, k[i : i + 1], v[i : i + 1])
+            ref = captured.attend_batch(ids, name, q, 0.125)
+            assert torch.equal(fused.attend_batch(ids, name, q, 0.125, k, v), ref)
+    for r in ids:
+        assert fused.requests[r].next_position == captured.requests[r].next_position
+        for name in LAYERS:
+            assert all(torch.equal(x, y) for x, y in zip(fused.requests[r].rows[name].view(),
+                                                         captured.requests[r].rows[name].view()))
 
 def test_bases_are_kept_as_rows_when_factors_would_be_larger():
     g = torch.Generator().manual_seed(0)

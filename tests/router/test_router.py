@@ -162,7 +162,7 @@ def test_span_wise_scores_match_the_all_pairs_scores():
     r = ZoomRouter(SHAPE, seed=1, w_init=0.3)
     g = torch.Generator().manual_seed(2)
     keys = SpanKeys(torch.randn(9, 2, 16, generator=g), torch.randint(4, 9, (9,), generator=g),
-                    torch.randn(9, 3, 2, 16, generator=g).half(), torch.rand(9, 3, 2, generator=g).half())
+                    torch.randn(9, 3, 2, 16, generator=g).half(), torch.rand(9, 2, 3, generator=g).half())
     seg = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
     q = torch.randn(3, 6, 16, generator=g)
     rows = r.score_rows(2, q, seg, keys)

@@ -1,9 +1,9 @@
 """SeKV attention backend for vLLM's CPU platform.
 
 Prefill is vLLM's own exact attention over its pages. The builder plans once per step for
-every layer: which token rows the SeKV runtime captures (a prefilling request's prompt rows,
-a compressed request's new rows), which decode rows it answers, and vLLM metadata for the
-rows that stay exact. The impl executes: vLLM's kernel for the exact rows, the SeKV mixed
+every layer: which token rows the SeKV runtime captures (a prefilling request's prompt rows),
+which decode rows it answers (a compressed request's newest row, whose K/V the same call
+appends to its window), and vLLM metadata for the rows that stay exact. The impl executes: vLLM's kernel for the exact rows, the SeKV mixed
 attention for the compressed ones. The runtime keeps its own copy of the rows it needs, so
 it never depends on the kernel's private page layout.
 
@@ -34,15 +34,16 @@ from sekv_vllm.integration.vllm.runner_bridge import current_bridge
 class SeKVStepPlan:
     """What one step does for SeKV requests; shared by every layer.
 
-    captures:    (req_id, first token row, rows, first position) of rows the runtime keeps
-    attend_rows: token rows of compressed decode requests, answered by the runtime
+    captures:    (req_id, first token row, rows, first position) of prefilling requests' rows the runtime keeps
+    attend_rows: [A] int64 token rows of compressed decode requests, answered by the runtime (which keeps
+                 their K/V rows too)
     attend_ids:  their request ids
     exact_rows:  [E] int64 token rows left to vLLM's kernel (None: all rows are SeKV's)
     exact:       vLLM metadata for exactly those rows (None: all rows are SeKV's)
     """
 
     captures: list[tuple[str, int, int, int]]
-    attend_rows: list[int]
+    attend_rows: torch.Tensor
     attend_ids: list[str]
     exact_rows: torch.Tensor | None
     exact: CPUAttentionMetadata | None
@@ -78,7 +79,6 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
                 mem = runtime.get(req_id)
                 last = seq_lens[i] - 1
                 if last == mem.next_position:
-                    captures.append((req_id, qsl[i + 1] - 1, 1, last))
                     attend_rows.append(qsl[i + 1] - 1)
                     attend_ids.append(req_id)
                 if n > 1 or last != mem.next_position:
@@ -87,7 +87,7 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
             if runtime.is_active(req_id):
                 captures.append((req_id, qsl[i], n, seq_lens[i] - n))
             exact_reqs.append(i)
-        if not captures:
+        if not captures and not attend_rows:
             return meta
         if attend_rows and any(qsl[i + 1] - qsl[i] > 1 for i in exact_reqs):
             bridge.steps_mixing_prefill_and_compressed_decode += 1
@@ -97,7 +97,7 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
             exact_rows, exact = self._subset(meta, cm, exact_reqs)
         else:
             exact_rows, exact = None, None
-        plan = SeKVStepPlan(captures, attend_rows, attend_ids, exact_rows, exact)
+        plan = SeKVStepPlan(captures, torch.tensor(attend_rows, dtype=torch.int64), attend_ids, exact_rows, exact)
         return SeKVAttentionMetadata(**vars(meta), sekv=plan)
 
     def _subset(
@@ -169,11 +169,13 @@ class SeKVAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query[plan.exact_rows], key, value, kv_cache, plan.exact, out_exact,
                             output_scale, output_block_scale)
             output[plan.exact_rows] = out_exact
-        if plan.attend_rows:
-            rows = torch.tensor(plan.attend_rows, dtype=torch.int64)
+        if plan.attend_ids:
+            rows = plan.attend_rows
             q = query[rows].view(-1, self.num_heads, self.head_size)
+            k = key[rows].view(-1, self.num_kv_heads, self.head_size)
+            v = value[rows].view(-1, self.num_kv_heads, self.head_size)
             out = output.view(output.shape[0], self.num_heads, self.head_size)
-            out[rows] = runtime.attend_batch(plan.attend_ids, name, q, self.scale).to(out.dtype)
+            out[rows] = runtime.attend_batch(plan.attend_ids, name, q, self.scale, k, v).to(out.dtype)
         return output
 
 
