@@ -656,14 +656,14 @@ std::vector<torch::Tensor> span_decode(
 #else
         const bool lse_done = false;
 #endif
-        for (int64_t i = 0; i < SG && !lse_done; ++i) {
-          float top = kNegInf;
-#pragma omp simd reduction(max : top)
-          for (int64_t c = 0; c < C; ++c) top = sc[i * C + c] > top ? sc[i * C + c] : top;
-          mx[i] = top;
-          for (int64_t c = 0; c < C; ++c) sc[i * C + c] -= mx[i];
-        }
         if (!lse_done) {
+          for (int64_t i = 0; i < SG; ++i) {
+            float top = kNegInf;
+#pragma omp simd reduction(max : top)
+            for (int64_t c = 0; c < C; ++c) top = sc[i * C + c] > top ? sc[i * C + c] : top;
+            mx[i] = top;
+            for (int64_t c = 0; c < C; ++c) sc[i * C + c] -= mx[i];
+          }
           // one flat loop: whole vectors whatever C is
 #pragma omp simd
           for (int64_t i = 0; i < SGC; ++i) sc[i] = exp_poly(sc[i]);
