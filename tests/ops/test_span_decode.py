@@ -101,7 +101,8 @@ def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
     ids = list(prompts)
     for rt in (fused, captured):
         rt.kernel = kernel
-    for step in range(3):
+    capacity = fused.requests["a"].rows[LAYERS[0]].k.shape[0]
+    for _ in range(20):  # past the 16 spare rows the window was made with: its buffer grows
         q = torch.randn(2, 9, 64, generator=g)
         k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
         for name in LAYERS:
@@ -109,11 +110,13 @@ def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
                 captured.capture(r, name, 0, k[i : i + 1], v[i : i + 1])
             ref = captured.attend_batch(ids, name, q, 0.125)
             assert torch.equal(fused.attend_batch(ids, name, q, 0.125, k, v), ref)
+    assert fused.requests["a"].rows[LAYERS[0]].k.shape[0] > capacity
     for r in ids:
         assert fused.requests[r].next_position == captured.requests[r].next_position
         for name in LAYERS:
             assert all(torch.equal(x, y) for x, y in zip(fused.requests[r].rows[name].view(),
                                                          captured.requests[r].rows[name].view()))
+
 
 def test_bases_are_kept_as_rows_when_factors_would_be_larger():
     g = torch.Generator().manual_seed(0)
