@@ -418,7 +418,7 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
 // |s| - 1); zoom_all [B] bool. query_features [B, H, F] float32 (already divided by sqrt(F)) or
 // empty; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
-// Returns (out [B, H, D] float32, zoom [sum S_b, Hkv] bool, zoomed_spans [B] int64: spans zoomed by any head).
+// Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, per request).
 std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& full_k, const std::vector<torch::Tensor>& full_v,
     const torch::Tensor& num_full, const torch::Tensor& new_k, const torch::Tensor& new_v,
@@ -541,9 +541,8 @@ std::vector<torch::Tensor> span_decode(
     span_offset[b + 1] = span_offset[b] + r.num_spans;
   }
   auto out = torch::empty({B, H, D}, q.options());
-  auto zoom = torch::zeros({span_offset[B], Hkv}, q.options().dtype(torch::kBool));
   float* out_p = out.data_ptr<float>();
-  bool* zoom_p = zoom.data_ptr<bool>();
+  std::vector<char> zoom_flags(span_offset[B] * Hkv, 0);  // [sum S_b, Hkv]: each task writes its own head
   const float fscale = static_cast<float>(scale), fscore = static_cast<float>(score_scale);
 
   // Tasks differ in cost (prompt lengths, spans, zoomed rows): handed out one at a time, not in
@@ -714,7 +713,7 @@ std::vector<torch::Tensor> span_decode(
       int64_t zoom_spans = 0, zoom_tokens = 0;
       for (int64_t s = 0; s < S; ++s) {
         if (zoomed[s]) {
-          zoom_p[(span_offset[b] + s) * Hkv + kh] = true;
+          zoom_flags[(span_offset[b] + s) * Hkv + kh] = 1;
           zoom_spans += 1;
           zoom_tokens += r.span_len[s];
         }
@@ -805,10 +804,10 @@ std::vector<torch::Tensor> span_decode(
   int64_t* zs = zoomed_spans.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t s = span_offset[b]; s < span_offset[b + 1]; ++s) {
-      zs[b] += std::any_of(zoom_p + s * Hkv, zoom_p + (s + 1) * Hkv, [](bool z) { return z; });
+      zs[b] += std::any_of(zoom_flags.begin() + s * Hkv, zoom_flags.begin() + (s + 1) * Hkv, [](char z) { return z; });
     }
   }
-  return {out, zoom, zoomed_spans};
+  return {out, zoomed_spans};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -351,7 +351,7 @@ class SeKVRuntime:
                     buf.grow(1)
                 self._advance(req_ids, layer_name, 1)
             terms = self.policy.query_terms(layer, q, scale)
-            out, _, zoomed = self.kernel.span_decode(
+            out, zoomed = self.kernel.span_decode(
                 q.float().contiguous(), [b.k for b in bufs], [b.v for b in bufs],
                 torch.tensor([b.length for b in bufs], dtype=torch.int64),
                 _NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
