@@ -39,6 +39,10 @@ class SeKVConfig(BaseModel):
     # 16, not more: at a 12.5% budget of a 1K prompt (125 rows) a 64-row window left less than one
     # span to zoom (suite, benchmarks/results/suite-zoom).
     window: int = Field(16, ge=1, description="last prompt tokens kept at full resolution")
+    window_growth: int = Field(
+        256, ge=0, description="rows the full-resolution window (the prompt's last tokens, then the output) may "
+        "grow past `window` before its oldest rows are segmented and compressed as the prompt was (their vLLM "
+        "pages returned too); 0: the output stays at full resolution")
     zoom_share: float = Field(
         0.5, ge=0.0, lt=1.0,
         description="share of the budget kept for zoomed spans; anchors are demoted until the rest fits",

@@ -116,3 +116,89 @@ def test_a_request_decodes_the_same_whatever_decodes_beside_it(kernel):
         alone = rt.attend_batch(["a"], "l1", q[:1], 0.125)[0]
         assert torch.equal(alone, rt.attend_batch(["c", "a", "b"], "l1", q[[2, 0, 1]], 0.125)[1])
         assert torch.equal(alone, rt.attend_batch(["a", "b"], "l1", q[:2], 0.125)[0])
+
+
+def decode_steps(rt: SeKVRuntime, req_id: str, kv: dict, start: int, steps: int, seed: int, check=None):
+    """Decode `steps` tokens (appended by attend_batch), recording output surprisal and spanifying the
+    window when due, as the runner bridge does; check(out, k_all, v_all, q, name) after each call."""
+    g = torch.Generator().manual_seed(seed)
+    ks = {n: [kv[n][0]] for n in LAYERS}
+    vs = {n: [kv[n][1]] for n in LAYERS}
+    spanified = []
+    for step in range(steps):
+        rt.record_surprisal(req_id, torch.tensor([start + step]), torch.rand(1, generator=g) * 5)
+        for n in LAYERS:
+            k_new, v_new = torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
+            q = torch.randn(1, H, D, generator=g)
+            ks[n].append(k_new)
+            vs[n].append(v_new)
+            out = rt.attend_batch([req_id], n, q, 1 / math.sqrt(D), k_new, v_new)[0]
+            if check is not None:
+                check(out, torch.cat(ks[n]), torch.cat(vs[n]), q[0], n)
+        if rt.window_due(req_id):
+            spanified.append(rt.spanify_window(req_id))
+    return spanified
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_spanified_output_still_equals_exact_attention_at_full_budget_and_rank(kernel):
+    if kernel == "cpp":
+        kernel_or_skip()
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, budget_ratio=1.0, r_max=64, max_span=64,
+                                window=16, window_growth=40, decode_kernel=kernel), LAYERS)
+    rt.admit("r", 600, None)
+    kv = prefill(rt, "r", 600)
+    rt.compress("r")
+    pool_after_prompt = rt.pool.used_bytes
+    errors = []
+
+    def check(out, k, v, q, name):
+        errors.append(rel_err(out, exact_attention(q, k, v, 1 / math.sqrt(D))))
+
+    parts = decode_steps(rt, "r", kv, 600, 130, seed=1, check=check)
+    assert [(p.start, p.stop) for p in parts] == [(584, 624), (624, 664), (664, 704)]  # all but the last 16 rows
+    assert max(errors) < 1e-5
+    fig = rt.figures("r")
+    assert fig["output_spans"] == sum(p.spans for p in parts) > 0
+    mem = rt.get("r")
+    # full-resolution rows: the prompt's anchors and short runs, the output's, and the window
+    assert fig["full_resolution_rows"] == fig["anchor_and_short_tokens"] + fig["output_anchor_and_short_tokens"] + 730 - 704
+    assert mem.window_pos == 704 and rt.pool.used_bytes > pool_after_prompt == fig["host_pool_bytes"]
+    assert fig["output_mean_surprisal"] > 0
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_kernel_reads_spanified_output_as_the_torch_ops_do():
+    kernel_or_skip()
+    outs = {}
+    for kernel in ("torch", "cpp"):
+        rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, budget_ratio=0.25, window_growth=64, decode_kernel=kernel),
+                         LAYERS, ModelShape(2, H, HKV, D), "")
+        rt.admit("r", 800, None)
+        kv = prefill(rt, "r", 800)
+        rt.compress("r")
+        outs[kernel] = []
+        parts = decode_steps(rt, "r", kv, 800, 150, seed=2, check=lambda out, *_: outs[kernel].append(out))
+        assert len(parts) == 2 and all(p.spans > 0 for p in parts)
+    assert max(rel_err(a, b) for a, b in zip(outs["cpp"], outs["torch"])) < 1e-4
+
+
+def test_full_host_pool_keeps_the_window_at_full_resolution_and_tries_again_later(caplog):
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, window_growth=32), LAYERS)
+    rt.admit("r", 600, None)
+    kv = prefill(rt, "r", 600)
+    rt.compress("r")
+    rt.pool.capacity_bytes = rt.pool.used_bytes  # full: the output's spans cannot be stored
+    with caplog.at_level("WARNING", logger="sekv_vllm"):
+        parts = decode_steps(rt, "r", kv, 600, 70, seed=3)
+    assert parts == [None, None]  # due at 32 and (after 32 more tokens) at 64 output tokens
+    assert "host pool full" in caplog.text and "at full resolution" in caplog.text
+    fig = rt.figures("r")
+    assert fig["output_spans"] == 0 and fig["full_resolution_rows"] == fig["anchor_and_short_tokens"] + 16 + 70
+    rt.pool.capacity_bytes = 1 << 40
+    assert rt.window_due("r") is False
+    decode_steps(rt, "r", kv, 670, 30, seed=4)  # due again at 96: room now
+    assert rt.figures("r")["output_spans"] > 0

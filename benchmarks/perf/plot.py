@@ -1,7 +1,9 @@
-"""Plots from the perf results: memory vs context length, decode throughput vs batch, and
-requests running at once in one KV pool over time (capacity).
+"""Plots from the perf results: memory vs context length, decode throughput vs batch,
+requests running at once in one KV pool over time (capacity), and pages held as outputs grow
+(long_output).
 
-    python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png
+    python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png,
+                                      #    long_output.png
 """
 from __future__ import annotations
 
@@ -78,14 +80,37 @@ def plot_capacity(result: dict, folder: Path) -> Path:
     return _save(fig, None, folder / "capacity.png")
 
 
+def plot_long_output(result: dict, folder: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    labels = {"vllm": "stock vLLM", "sekv_window_kept": "sekv, output kept at full resolution",
+              "sekv_window_spanified": f"sekv, window spanified every {result['window_growth']}"}
+    for name, label in labels.items():
+        tokens, pages = zip(*result[name]["pages_per_request"])
+        ax.plot(tokens, pages, label=f"{label}: {result[name]['decode_tok_per_s']} decode tok/s")
+    ax.set_xlabel("output tokens per request")
+    ax.set_ylabel(f"vLLM pages held per request ({result['vllm']['block_size']} tokens each)")
+    ax.set_title(f"{result['requests']} requests of ~{result['length']} prompt tokens, budget {result['budget_ratio']}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, None, folder / "long_output.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
     parser.add_argument("--capacity", type=Path, default=RESULTS / "capacity_cpu.json")
+    parser.add_argument("--long-output", type=Path, default=RESULTS / "long_output_cpu.json")
     args = parser.parse_args()
     paths = plot(json.loads(args.results.read_text()), args.results.parent)
     if args.capacity.exists():
         paths.append(plot_capacity(json.loads(args.capacity.read_text()), args.capacity.parent))
+    if args.long_output.exists():
+        paths.append(plot_long_output(json.loads(args.long_output.read_text()), args.long_output.parent))
     for path in paths:
         print(f"wrote {path}")
 

@@ -1,6 +1,8 @@
-"""Markdown tables from the perf results, into the README (`perf-results`, `capacity-results`).
+"""Markdown tables from the perf results, into the README (`perf-results`, `capacity-results`,
+`long-output-results`).
 
-    python -m benchmarks.perf.report      # README.md <- benchmarks/results/perf_cpu.json, capacity_cpu.json
+    python -m benchmarks.perf.report      # README.md <- benchmarks/results/perf_cpu.json, capacity_cpu.json,
+                                          #              long_output_cpu.json
 """
 from __future__ import annotations
 
@@ -74,15 +76,53 @@ def capacity_table(result: dict, source: str) -> str:
     return "\n".join(lines).replace("nanx", "-")
 
 
+def long_output_table(result: dict, source: str) -> str:
+    stock = result["vllm"]
+    block = stock["block_size"]
+    lines = [
+        f"Command: `{result['command'].strip()}` ({result['model']}, {result['cores']} cores, {result['requests']} "
+        f"requests of ~{result['length']} prompt tokens decoding together, {result['decode_tokens']} output tokens each "
+        f"(greedy, ignore_eos), sekv budget_ratio {result['budget_ratio']}; pages of {block} tokens). Source: `{source}`.",
+        "",
+        "| | vLLM pages held per request at the end | decode tok/s | full-resolution rows per request at the end "
+        "| output spans per request | host pool per request at the end | same token as stock vLLM |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    names = {"vllm": "stock vLLM", "sekv_window_kept": "sekv, output kept at full resolution (`window_growth: 0`)",
+             "sekv_window_spanified": f"sekv, window spanified (`window_growth: {result['window_growth']}`)"}
+    for name, label in names.items():
+        run = result[name]
+        figs = run.get("figures_at_end") or []
+
+        def mean(key):
+            return sum(f[key] for f in figs) / len(figs) if figs else None
+
+        rows, spans, pool = mean("full_resolution_rows"), mean("output_spans"), mean("host_pool_bytes_now")
+        lines.append(
+            f"| {label} | {run['pages_per_request_at_end']:.0f} ({run['pages_ratio_to_stock']:.2f}x) | "
+            f"{run['decode_tok_per_s']:.1f} ({run['decode_ratio_to_stock']:.2f}x) | "
+            f"{'-' if rows is None else f'{rows:.0f}'} | {'-' if spans is None else f'{spans:.0f}'} | "
+            f"{'-' if pool is None else f'{pool / MIB:.1f} MiB'} | {run['agreement_with_stock']['token_match_rate']:.1%} |")
+    agree = result["sekv_window_spanified"]["agreement_with_window_kept"]
+    lines += ["", f"The spanifying engine's outputs against the output-kept engine's (same budget): "
+                  f"{agree['token_match_rate']:.1%} of positions with the same token, first difference at "
+                  f"{agree['mean_first_difference']:.0f} tokens on average."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "perf_cpu.json")
     parser.add_argument("--capacity", type=Path, default=ROOT / "benchmarks" / "results" / "capacity_cpu.json")
+    parser.add_argument("--long-output", type=Path, default=ROOT / "benchmarks" / "results" / "long_output_cpu.json")
     args = parser.parse_args()
     print(write_block("perf-results", table(json.loads(args.results.read_text()), str(args.results.relative_to(ROOT)))))
     if args.capacity.exists():
         print(write_block("capacity-results", capacity_table(json.loads(args.capacity.read_text()),
                                                              str(args.capacity.relative_to(ROOT)))))
+    if args.long_output.exists():
+        print(write_block("long-output-results", long_output_table(json.loads(args.long_output.read_text()),
+                                                                   str(args.long_output.relative_to(ROOT)))))
 
 
 if __name__ == "__main__":

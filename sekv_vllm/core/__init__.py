@@ -2,7 +2,7 @@
 from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans, singular_values
 from sekv_vllm.core.mixed_attention import exact_attention, mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout, segment_prompt, surprisal_threshold
-from sekv_vllm.core.span_memory import LayerSpanMemory, attend_memory, compress_layer
+from sekv_vllm.core.span_memory import LayerSpanMemory, append_spans, attend_memory, compress_layer
 from sekv_vllm.core.span_keys import SpanKeys, concat_span_keys, span_keys
 from sekv_vllm.core.span_summary import summarize_spans
 
@@ -11,6 +11,7 @@ __all__ = [
     "SpanBases",
     "SpanKeys",
     "SpanLayout",
+    "append_spans",
     "attend_memory",
     "compress_layer",
     "concat_span_keys",

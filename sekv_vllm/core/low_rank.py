@@ -78,8 +78,33 @@ def rows_if_smaller(bases: SpanBases) -> SpanBases:
     D = bases.basis.shape[-1]
     if P * Hkv * D > bases.coef.numel() + bases.basis.numel():
         return bases
+    return as_rows(bases)
+
+
+def as_rows(bases: SpanBases) -> SpanBases:
+    """The same spans with the host pool keeping their rebuilt rows (basis None)."""
+    if not bases.factored:
+        return bases
     (rows,), _ = rebuild_spans_of(torch.arange(bases.span_len.numel()), bases)
     return SpanBases(rows.to(bases.coef.dtype).contiguous(), None, bases.row_offset, bases.span_len)
+
+
+def append_span_bases(first: SpanBases, more: SpanBases) -> SpanBases:
+    """The spans of `first`, then those of `more`, in the same form (both factored or both rows);
+    factors of different ranks are zero-padded to the larger (a zero column rebuilds nothing)."""
+    if first.factored != more.factored:
+        raise ValueError("append_span_bases: both must keep factors or both rows")
+    coef_a, coef_b, basis_a, basis_b = first.coef, more.coef, first.basis, more.basis
+    if first.factored:
+        R = max(coef_a.shape[2], coef_b.shape[2])
+        coef_a, coef_b = (torch.nn.functional.pad(c, (0, R - c.shape[2])) for c in (coef_a, coef_b))
+        basis_a, basis_b = (torch.nn.functional.pad(b, (0, 0, 0, R - b.shape[2])) for b in (basis_a, basis_b))
+    return SpanBases(
+        torch.cat([coef_a, coef_b]).contiguous(),
+        torch.cat([basis_a, basis_b]).contiguous() if first.factored else None,
+        torch.cat([first.row_offset, more.row_offset + first.coef.shape[0]]),
+        torch.cat([first.span_len, more.span_len]),
+    )
 
 
 def rebuild_spans(bases: SpanBases, span_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

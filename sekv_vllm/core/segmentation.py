@@ -5,7 +5,7 @@ is an *anchor* and stays at full resolution. The runs between anchors are *spans
 shorter than `l_min` stays at full resolution too, a run longer than `max_span` is split
 into near-equal pieces. The last `window` prompt tokens are never segmented.
 
-Token 0 is always an anchor: it is the attention sink of decoder LLMs, and the method doc
+Token 0 of a prompt is always an anchor: it is the attention sink of decoder LLMs, and the method doc
 makes it the anchor of last resort anyway.
 
 When a token budget is given and anchors + short runs + window + one summary row per span
@@ -64,19 +64,19 @@ def surprisal_threshold(surprisal: torch.Tensor, alpha: float) -> float:
 
 
 def _split(
-    region: np.ndarray, theta: float, l_min: int, max_span: int
+    region: np.ndarray, theta: float, l_min: int, max_span: int, first_anchor: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split positions [0, len(region)) at anchors (region > theta, plus position 0).
+    """Split positions [0, len(region)) at anchors (region > theta, plus position 0 if first_anchor).
 
     Returns (fixed_pos, span_start, span_len) as int64 arrays.
     """
     n = region.shape[0]
     is_anchor = region > theta
-    is_anchor[0] = True
+    is_anchor[0] |= first_anchor
     anchors = np.flatnonzero(is_anchor)
-    # Runs of non-anchors: from each anchor + 1 to the next anchor (or the region end).
-    run_start = anchors + 1
-    run_end = np.append(anchors[1:], n)
+    # Runs of non-anchors: from the region start or an anchor + 1 to the next anchor (or the end).
+    run_start = np.append(0, anchors + 1)
+    run_end = np.append(anchors, n)
     run_len = run_end - run_start
     short = (run_len > 0) & (run_len < l_min)
     long_ = run_len >= l_min
@@ -110,11 +110,15 @@ def segment_prompt(
     l_min: int,
     max_span: int,
     budget: int | None = None,
+    first_anchor: bool = True,
+    theta: float | None = None,
 ) -> SpanLayout:
-    """Segment one prompt.
+    """Segment one prompt (or a stretch of generated text: window 0, first_anchor False, since
+    its first token is no attention sink, and the prompt's theta).
 
     surprisal: [T] float  per-token surprisal, s_0 = 0
     budget:    rows the prompt may occupy per decode step (None: no budget fitting)
+    theta:     the anchor threshold (None: mean(s) + alpha * std(s) of this surprisal)
     """
     (T,) = surprisal.shape
     window_start = max(T - window, 0)
@@ -123,10 +127,11 @@ def segment_prompt(
         return SpanLayout(empty, empty, empty.clone(), 0, T)
 
     region = surprisal[:window_start].double().cpu().numpy()
-    theta = surprisal_threshold(surprisal, alpha)
+    if theta is None:
+        theta = surprisal_threshold(surprisal, alpha)
 
     def layout_at(th: float) -> SpanLayout:
-        fixed_pos, span_start, span_len = _split(region.copy(), th, l_min, max_span)
+        fixed_pos, span_start, span_len = _split(region.copy(), th, l_min, max_span, first_anchor)
         return SpanLayout(
             torch.from_numpy(fixed_pos),
             torch.from_numpy(span_start),

@@ -158,6 +158,21 @@ def concat_span_keys(parts: list[SpanKeys]) -> SpanKeys:
                     torch.cat([c for c, _ in padded]), torch.cat([n for _, n in padded]))
 
 
+def append_span_keys(first: SpanKeys, more: SpanKeys) -> SpanKeys:
+    """The spans of `first`, then those of `more`, kept as they are (same centroid count and
+    storage: both float16 or both codes of the same bits)."""
+    a, b = first.codes, more.codes
+    if first.log_count.shape[2] != more.log_count.shape[2] or (a is None) != (b is None) or (a is not None and a.bits != b.bits):
+        raise ValueError("append_span_keys: both must keep the same number of centroids the same way")
+    codes = None if a is None else CentroidCodes(
+        torch.cat([a.codes, b.codes]), torch.cat([a.lo, b.lo]), torch.cat([a.step, b.step]), a.bits)
+    return SpanKeys(
+        torch.cat([first.summary_k, more.summary_k]), torch.cat([first.span_len, more.span_len]),
+        None if codes is not None else torch.cat([first.centroid_k, more.centroid_k]),
+        torch.cat([first.log_count, more.log_count]), codes,
+    )
+
+
 def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
               num_centroids: int, bits: int = 16) -> SpanKeys:
     """k: [T, Hkv, D] prompt keys; summary_k: [S, Hkv, D]; num_centroids: C (0: the summary only);

@@ -7,10 +7,12 @@ from typing import Callable
 
 import torch
 
-from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans_of, rows_if_smaller, singular_values
+from sekv_vllm.core.low_rank import (
+    SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, rebuild_spans_of, rows_if_smaller, singular_values,
+)
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
-from sekv_vllm.core.span_keys import SpanKeys, span_keys
+from sekv_vllm.core.span_keys import SpanKeys, append_span_keys, span_keys
 from sekv_vllm.core.span_summary import summarize_spans
 
 
@@ -48,10 +50,13 @@ KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
     score_centroids: int = 0, score_bits: int = 16, key_gates: KeyGates | None = None,
+    store_rows: bool | None = None,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
     score_centroids: key centroids per span for zoom scoring (0: the summary key alone), kept at
     score_bits bits per element (16: float16).
+    store_rows: the host pool keeps the spans' rows (True) or their factors (False); None: whichever
+    takes fewer bytes.
 
     key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
     gates of the keys (the trained router's), folded into the stored coefficients.
@@ -63,11 +68,22 @@ def compress_layer(
         gates = key_gates(singular_values(bases_k), summary_k)
         if gates is not None:
             bases_k = gate_bases(bases_k, gates)
+    bases_v = fit_span_bases(v, layout.span_start, layout.span_len, r_max)
+    form = rows_if_smaller if store_rows is None else (as_rows if store_rows else lambda b: b)
     return LayerSpanMemory(
         span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
-        summary_v,
-        rows_if_smaller(bases_k),
-        rows_if_smaller(fit_span_bases(v, layout.span_start, layout.span_len, r_max)),
+        summary_v, form(bases_k), form(bases_v),
+    )
+
+
+def append_spans(memory: LayerSpanMemory, more: LayerSpanMemory) -> LayerSpanMemory:
+    """memory's spans, then more's (compressed the same way: `compress_layer` with the same
+    centroids, bits and `store_rows=not memory.bases_k.factored`)."""
+    return LayerSpanMemory(
+        append_span_keys(memory.keys, more.keys),
+        torch.cat([memory.summary_v, more.summary_v]),
+        append_span_bases(memory.bases_k, more.bases_k),
+        append_span_bases(memory.bases_v, more.bases_v),
     )
 
 

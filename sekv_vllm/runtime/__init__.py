@@ -1,4 +1,4 @@
 """Per-request SeKV state for a serving engine (torch only, no vLLM import)."""
-from sekv_vllm.runtime.request_memory import RequestMemory, SeKVRuntime, Status, plan_layout
+from sekv_vllm.runtime.request_memory import RequestMemory, SeKVRuntime, SpanifiedRows, Status, plan_layout
 
-__all__ = ["RequestMemory", "SeKVRuntime", "Status", "plan_layout"]
+__all__ = ["RequestMemory", "SeKVRuntime", "SpanifiedRows", "Status", "plan_layout"]

@@ -2,24 +2,29 @@
 
 Life of a request: admitted (decides whether it will be compressed) -> surprisal recorded
 while its prompt is prefilled -> compressed once the prompt is complete (summaries kept,
-bases stored in the host pool) -> every decode step attends through `attend` -> released
-when it finishes, aborts or is preempted.
+bases stored in the host pool) -> every decode step attends through `attend_batch`; when its
+window (last prompt rows, then the output) outgrows `window_growth`, the oldest rows are compressed
+the same way (`spanify_window`) -> released when it finishes or aborts (kept while preempted).
 """
 from __future__ import annotations
 
 import enum
 import functools
 import itertools
-from collections import deque
 import json
 import logging
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
-from sekv_vllm.core import LayerSpanMemory, SpanKeys, SpanLayout, compress_layer, concat_span_keys, segment_prompt
+from sekv_vllm.core import (
+    LayerSpanMemory, SpanKeys, SpanLayout, append_spans, compress_layer, concat_span_keys, segment_prompt,
+    surprisal_threshold,
+)
 from sekv_vllm.core.batched_attention import batched_mixed_attention
 from sekv_vllm.core.low_rank import SpanBases, span_factors
 from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
@@ -41,6 +46,14 @@ def _basis(bases: SpanBases) -> torch.Tensor:
     return bases.basis if bases.factored else _ROWS
 
 
+def _reserve_surprisal(mem: "RequestMemory", n: int) -> None:
+    """Room for the surprisal of positions [0, n) (zeros where none was recorded)."""
+    if n > mem.surprisal.numel():
+        grown = torch.zeros(max(n, 2 * mem.surprisal.numel()), dtype=torch.float32)
+        grown[: mem.surprisal.numel()] = mem.surprisal
+        mem.surprisal = grown
+
+
 class Status(enum.Enum):
     PREFILLING = "prefilling"  # surprisal is being collected; compressed once the prompt is done
     COMPRESSED = "compressed"
@@ -54,7 +67,7 @@ class RequestMemory:
     budget: int
     status: Status
     reason: str = ""
-    surprisal: torch.Tensor | None = None  # [T] float32, s_0 = 0
+    surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
     layout: SpanLayout | None = None
     zoom_budget: int = 0
     # The budget covers every span at token resolution: no choice to make, every span is
@@ -68,6 +81,16 @@ class RequestMemory:
     # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
     # processed so far); rows before it that a recompute computes again are not needed.
     next_position: int = 0
+    # COMPRESSED: rows[:window_row] are fixed rows (anchors and short runs of the prompt and of
+    # spanified output); from window_row on, the full-resolution window, starting at position window_pos.
+    window_row: int = 0
+    window_pos: int = 0
+    # COMPRESSED: the window is not spanified again before this position (after a full host pool).
+    spanify_from: int = 0
+    output_spans: int = 0
+    output_span_tokens: int = 0
+    output_fixed_tokens: int = 0
+    output_fast_tier_bytes: int = 0
     # COMPRESSED and preempted: state kept for the recompute that resumes it (`suspend`).
     suspended: bool = False
     decode_calls: int = 0
@@ -121,6 +144,20 @@ class BatchSpans:
         m = self.layers
         return ([x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
                 [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m])
+
+
+@dataclass(frozen=True)
+class SpanifiedRows:
+    """Window rows of a compressed request segmented and compressed during decoding.
+
+    start, stop: their positions [start, stop); fast_tier_bytes: what they still take in the fast
+    tier (full-resolution anchors and short runs, summaries, scoring keys, the zoom rows they add).
+    """
+
+    start: int
+    stop: int
+    spans: int
+    fast_tier_bytes: int
 
 
 def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
@@ -213,8 +250,12 @@ class SeKVRuntime:
 
     # -- prefill -----------------------------------------------------------------------
     def record_surprisal(self, req_id: str, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """positions: [n] int64 prompt positions (>= 1); values: [n] float surprisal there."""
-        self.requests[req_id].surprisal[positions] = values.float()
+        """positions: [n] int64 positions (>= 1; past the prompt: output tokens); values: [n] float
+        surprisal there."""
+        mem = self.requests[req_id]
+        if positions.numel():
+            _reserve_surprisal(mem, int(positions.max()) + 1)
+        mem.surprisal[positions] = values.float()
 
     def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n)."""
@@ -240,14 +281,15 @@ class SeKVRuntime:
         cfg = self.config
         if set(mem.rows) != set(self.layer_names):
             return self._keep_full(mem, "prompt rows were not captured in every layer")
-        layout, zoom_budget = plan_layout(mem.surprisal, mem.budget, cfg)
+        surprisal = mem.surprisal[: mem.prompt_len]
+        layout, zoom_budget = plan_layout(surprisal, mem.budget, cfg)
         zoom_all = zoom_budget >= layout.span_tokens - layout.num_spans
         if layout.num_spans == 0:
             return self._keep_full(mem, "no span of at least l_min tokens outside the window")
         T = mem.prompt_len
         for i, name in enumerate(self.layer_names):
             k, v = mem.rows[name].view()
-            layer = compress_layer(k[:T], v[:T], layout, mem.surprisal, cfg.r_max,
+            layer = compress_layer(k[:T], v[:T], layout, surprisal, cfg.r_max,
                                    0 if zoom_all else cfg.score_centroids, cfg.score_bits,
                                    None if zoom_all else functools.partial(self.policy.key_gates, i))
             if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
@@ -277,11 +319,11 @@ class SeKVRuntime:
                 if feats is not None:
                     mem.key_features[name] = feats
         mem.layout = layout
+        mem.window_row, mem.window_pos = int(layout.fixed_pos.numel()), layout.window_start
         mem.zoom_budget, mem.zoom_all = zoom_budget, zoom_all
         mem.status = Status.COMPRESSED
         L = len(self.layer_names)
-        k0 = mem.rows[self.layer_names[0]].k
-        row_bytes = 2 * k0[0].numel() * k0.element_size()
+        row_bytes = self._row_bytes(mem)
         span_fast_bytes = sum(self.pool.load(req_id, name).fast_tier_nbytes for name in self.layer_names)
         span_fast_bytes += sum(f.numel() * f.element_size() for f in mem.key_features.values())
         mem.figures = {
@@ -316,6 +358,87 @@ class SeKVRuntime:
             100 * mem.figures["fast_tier_fraction"], mem.figures["host_pool_bytes"],
         )
         return mem
+
+    # -- decode: the window outgrows its limit ----------------------------------------------
+    def window_due(self, req_id: str) -> bool:
+        """Whether a compressed request's window holds `window` + `window_growth` rows or more."""
+        mem = self.requests.get(req_id)
+        growth = self.config.window_growth
+        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and not mem.suspended
+                and mem.next_position - mem.window_pos >= self.config.window + growth
+                and mem.next_position >= mem.spanify_from)
+
+    def spanify_window(self, req_id: str) -> SpanifiedRows | None:
+        """Segment and compress the oldest rows of a compressed request's window (all but its last
+        `window`), output included, as its prompt was: by the surprisal of those tokens (the prompt's
+        threshold), into anchors and short runs kept at full resolution and spans appended to every
+        layer's compressed memory (summaries and scoring keys in the fast tier, rows or factors in the
+        host pool). Call it between steps, when every layer holds the same rows. None when no span
+        formed (the rows stay at full resolution) or the host pool cannot take the spans (logged; tried
+        again after `window_growth` more tokens).
+        """
+        mem, cfg = self.requests[req_id], self.config
+        start, stop = mem.window_pos, mem.next_position - cfg.window
+        n, r0 = stop - start, mem.window_row
+        _reserve_surprisal(mem, stop)
+        surprisal = mem.surprisal[start:stop]
+        # The prompt's threshold: a stretch of repetitive output would make anchors of its few
+        # less predictable tokens by its own statistics.
+        layout = segment_prompt(surprisal, window=0, alpha=cfg.alpha, l_min=cfg.l_min, max_span=cfg.max_span,
+                                first_anchor=False, theta=surprisal_threshold(mem.surprisal[: mem.prompt_len], cfg.alpha))
+        if layout.num_spans == 0:
+            mem.window_row, mem.window_pos = r0 + n, stop
+            return None
+        merged, fast_bytes, added_bytes = {}, 0, 0
+        for i, name in enumerate(self.layer_names):
+            k, v = mem.rows[name].view()
+            memory = self.pool.load(req_id, name)
+            part = compress_layer(k[r0 : r0 + n], v[r0 : r0 + n], layout, surprisal, cfg.r_max,
+                                  0 if mem.zoom_all else cfg.score_centroids, cfg.score_bits,
+                                  None if mem.zoom_all else functools.partial(self.policy.key_gates, i),
+                                  store_rows=not memory.bases_k.factored)
+            merged[name] = append_spans(memory, part)
+            fast_bytes += part.fast_tier_nbytes
+            added_bytes += merged[name].bases_nbytes - memory.bases_nbytes
+        if not self.pool.fits(added_bytes):
+            mem.spanify_from = mem.next_position + cfg.window_growth
+            logger.warning("sekv: host pool full (%d of %d bytes used): request %s keeps its last %d rows at full "
+                           "resolution", self.pool.used_bytes, self.pool.capacity_bytes, req_id, n + cfg.window)
+            return None
+        for i, name in enumerate(self.layer_names):
+            self.pool.store(req_id, name, merged[name], merged[name].bases_nbytes)
+            if not mem.zoom_all:
+                old = mem.key_features.get(name)
+                feats = self.policy.key_features(i, merged[name].keys)
+                if feats is not None:
+                    mem.key_features[name] = feats
+                    fast_bytes += (feats.numel() - (old.numel() if old is not None else 0)) * feats.element_size()
+        keep = torch.cat([torch.arange(r0), r0 + layout.fixed_pos, torch.arange(r0 + n, mem.rows[self.layer_names[0]].length)])
+        for name in self.layer_names:
+            k, v = mem.rows[name].view()
+            rows = RowBuffer(keep.numel() + cfg.window_growth + 1, k.shape[1], k.shape[2], k.dtype)
+            rows.append(k[keep], v[keep])
+            mem.rows[name] = rows
+        # The budget grows with the compressed text at the request's ratio; what its new anchors and
+        # summaries do not take goes to zoomed spans.
+        num_fixed = int(layout.fixed_pos.numel())
+        zoom_rows = max(math.ceil(n * mem.budget / mem.prompt_len) - num_fixed - layout.num_spans, 0)
+        mem.zoom_budget += zoom_rows
+        mem.window_row, mem.window_pos = r0 + num_fixed, stop
+        mem.output_spans += layout.num_spans
+        mem.output_span_tokens += layout.span_tokens
+        mem.output_fixed_tokens += num_fixed
+        self._batch_cache = {name: b for name, b in self._batch_cache.items() if req_id not in b.req_ids}
+        fast_bytes += (num_fixed + zoom_rows) * self._row_bytes(mem) * len(self.layer_names)
+        mem.output_fast_tier_bytes += fast_bytes
+        logger.info("sekv: %s: window rows %d-%d -> %d spans (%d tokens), %d anchor/short; host pool %d bytes",
+                    req_id, start, stop, layout.num_spans, layout.span_tokens, num_fixed, self.pool.owner_bytes(req_id))
+        return SpanifiedRows(start, stop, layout.num_spans, fast_bytes)
+
+    def _row_bytes(self, mem: RequestMemory) -> int:
+        """Bytes of one row (K and V of every KV head) of one layer."""
+        k0 = mem.rows[self.layer_names[0]].k
+        return 2 * k0[0].numel() * k0.element_size()
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
         mem.status, mem.reason, mem.rows = Status.FULL_KV, reason, {}
@@ -441,6 +564,15 @@ class SeKVRuntime:
             mem.figures,
             decode_steps=mem.decode_calls // max(len(self.layer_names), 1),
             mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
+            output_spans=mem.output_spans,
+            output_span_tokens=mem.output_span_tokens,
+            output_anchor_and_short_tokens=mem.output_fixed_tokens,
+            # mean surprisal of the output tokens spanified so far (nats)
+            output_mean_surprisal=float(mem.surprisal[mem.prompt_len : mem.window_pos].mean())
+            if mem.window_pos > mem.prompt_len else 0.0,
+            output_fast_tier_bytes=mem.output_fast_tier_bytes,
+            full_resolution_rows=mem.rows[self.layer_names[0]].length,
+            host_pool_bytes_now=self.pool.owner_bytes(req_id),
         )
 
     def suspend(self, req_id: str) -> None:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sekv_vllm.core import (
+    append_spans,
     attend_memory,
     compress_layer,
     exact_attention,
@@ -110,6 +111,46 @@ def test_segmentation_invariants():
     assert anchors <= set(layout.fixed_pos.tolist())  # anchors never inside spans
     for a, n in zip(layout.span_start.tolist(), layout.span_len.tolist()):
         assert not anchors & set(range(a, a + n))
+
+
+def test_output_stretch_is_segmented_by_the_given_threshold_without_a_sink():
+    _, _, _, s = make_prompt(300, seed=6)
+    s[:6] = 0.5  # the stretch's first token is no sink: only the threshold makes it an anchor
+    layout = segment_prompt(s, window=0, alpha=1.0, l_min=4, max_span=32, first_anchor=False, theta=3.0)
+    assert layout.window_start == 300 and layout.num_fixed == layout.fixed_pos.numel()
+    covered = sorted(layout.fixed_pos.tolist() + [p for a, n in zip(layout.span_start.tolist(), layout.span_len.tolist())
+                                                  for p in range(a, a + n)])
+    assert covered == list(range(300))  # every token once: anchor, short run or span
+    assert 0 not in layout.fixed_pos.tolist() and layout.span_start[0] == 0
+    assert set(torch.nonzero(s > 3.0).flatten().tolist()) <= set(layout.fixed_pos.tolist())
+
+
+@pytest.mark.parametrize("store_rows", [True, False])
+def test_appended_spans_equal_one_compression_of_both_stretches(store_rows):
+    # The window's spanification appends a stretch's spans to the prompt's: the result must be
+    # what compressing both stretches' spans at once gives (same summaries, keys, rebuilt rows).
+    _, k, v, s = make_prompt(400, seed=7, rank=8)
+    a = segment_prompt(s[:250], window=0, alpha=1.0, l_min=4, max_span=32, theta=2.0)
+    b = segment_prompt(s[250:], window=0, alpha=1.0, l_min=4, max_span=32, first_anchor=False, theta=2.0)
+    both = type(a)(torch.cat([a.fixed_pos, 250 + b.fixed_pos]), torch.cat([a.span_start, 250 + b.span_start]),
+                   torch.cat([a.span_len, b.span_len]), 400, 400)
+    args = dict(r_max=32, score_centroids=32, score_bits=2, store_rows=store_rows)
+    joined = append_spans(compress_layer(k[:250], v[:250], a, s[:250], **args),
+                          compress_layer(k[250:], v[250:], b, s[250:], **args))
+    whole = compress_layer(k, v, both, s, **args)
+    assert torch.equal(joined.span_len, whole.span_len)
+    assert torch.allclose(joined.summary_k, whole.summary_k) and torch.allclose(joined.summary_v, whole.summary_v)
+    assert torch.equal(joined.keys.log_count, whole.keys.log_count)
+    present = joined.keys.log_count.isfinite().permute(0, 2, 1)  # [S, C, Hkv]: centroids standing for tokens
+    assert torch.equal(joined.keys.centroids()[present], whole.keys.centroids()[present])
+    assert joined.bases_k.factored == (not store_rows)
+    ids = torch.arange(both.num_spans)
+    for x, y in ((joined.bases_k, whole.bases_k), (joined.bases_v, whole.bases_v)):
+        assert torch.equal(x.row_offset, y.row_offset)
+        assert rel_err(rebuild_spans(x, ids)[0], rebuild_spans(y, ids)[0]) < 1e-5
+    mixed_forms = compress_layer(k[250:], v[250:], b, s[250:], **{**args, "store_rows": not store_rows})
+    with pytest.raises(ValueError, match="both must keep factors or both rows"):
+        append_spans(joined, mixed_forms)
 
 
 @pytest.mark.parametrize("case", ["one_token", "shorter_than_window", "one_huge_span", "all_anchor"])

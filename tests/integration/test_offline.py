@@ -8,9 +8,10 @@ from tests.integration.conftest import run_job
 pytestmark = pytest.mark.vllm
 
 # At budget_ratio 1.0 every span is zoomed; with r_max >= max_span the bases are lossless,
-# so the whole SeKV path (capture, segmentation, summaries, SVD, rebuild, mixed softmax)
-# must reproduce full attention.
-LOSSLESS = {"budget_ratio": 1.0, "r_max": 64, "max_span": 64, "min_prompt_tokens": 256, "window": 64}
+# so the whole SeKV path (capture, segmentation, summaries, SVD, rebuild, mixed softmax, and the
+# window's spanification every 8 output tokens) must reproduce full attention.
+LOSSLESS = {"budget_ratio": 1.0, "r_max": 64, "max_span": 64, "min_prompt_tokens": 256, "window": 64,
+            "window_growth": 8}
 
 
 def essay_prompt(n_sentences: int, start: int) -> str:
@@ -43,6 +44,7 @@ def test_full_budget_equals_stock_vllm_token_for_token(model_dir, stock_run, tmp
     assert sekv["figures"][0] is None  # 1 short prompt: full KV
     for fig in sekv["figures"][1:]:
         assert fig is not None and fig["spans"] > 0 and fig["decode_steps"] > 0
+    assert sum(fig["output_spans"] for fig in sekv["figures"][1:]) > 0  # the window was spanified
 
 
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):

@@ -80,3 +80,28 @@ def test_aborted_and_finished_requests_free_both_tiers(model_dir, essay_ids, tmp
     done = [o for i, o in enumerate(r["outputs"]) if i not in (0, 3, 6, 9, 10, 11)]
     assert all(o is not None and len(o) == 16 for o in done)
     assert len(r["figures"]) >= 6  # the finished ones were compressed and released with figures
+
+
+def test_spanified_output_returns_its_pages_too(model_dir, essay_ids, tmp_path):
+    # 700 output tokens: the window is spanified every 128 (its oldest rows compressed as the
+    # prompt was); the pages wholly inside those rows go back but for their fast-tier share.
+    spec = {"model": model_dir, "prompts": essay_ids(700, 2), "max_tokens": 700, "max_model_len": 1500}
+    sekv = {"budget_ratio": 0.125, "min_prompt_tokens": 256}
+    grown = pages({**spec, "sekv": {**sekv, "window_growth": 128}}, tmp_path)
+    kept = pages({**spec, "sekv": {**sekv, "window_growth": 0}}, tmp_path)
+    bs = grown["block_size"]
+    for g, k in zip(sorted(grown["figures"], key=lambda f: f["req_id"]), sorted(kept["figures"], key=lambda f: f["req_id"])):
+        assert k["output_spans"] == 0 and k["full_resolution_rows"] > 700
+        assert g["output_spans"] >= 10 and g["output_span_tokens"] > 400
+        assert g["output_mean_surprisal"] > 0  # the output's surprisal was recorded
+        assert g["full_resolution_rows"] < k["full_resolution_rows"] - 300
+        assert g["host_pool_bytes_now"] > g["host_pool_bytes"]  # the output's spans joined the host pool
+        block_bytes = g["full_kv_bytes"] // g["prompt_tokens"] * bs
+        extra = (g["vllm_pages_returned_bytes"] - k["vllm_pages_returned_bytes"]) // block_bytes
+        assert extra >= 2
+        # the pages each request held at its last step differ by exactly the pages its output returned
+        last_g = [t["held"] for t in grown["trace"] if len(t["held"]) == 2][-1]
+        last_k = [t["held"] for t in kept["trace"] if len(t["held"]) == 2][-1]
+        assert last_k[k["req_id"]] - last_g[g["req_id"]] == extra
+    assert all(o is not None and len(o) == 700 for o in grown["outputs"])
+    assert grown["free_at_end"] == grown["free_at_start"] and grown["host_pool_used_bytes"] == 0

@@ -1,13 +1,15 @@
-"""Returning a compressed request's prompt pages to vLLM's block pool (written against vLLM 0.32).
+"""Returning a compressed request's pages to vLLM's block pool (written against vLLM 0.32).
 
 sekv's layers get `SeKVAttentionSpec`, a FullAttentionSpec whose manager is
 `PageReturningManager` (registered in vLLM's KV-cache spec registry, grouped with full
 attention, as the in-tree R-SWA spec is). When the runner bridge compresses a request it files
-a `PagePlan`: keep the first `keep_blocks` pages (the fast tier's share of the pool) and every
-page from the prompt's last, partly filled one on (generated tokens are written there). On the
-request's next allocation the manager frees the pages in between and puts the null block in
-their place, as the R-SWA manager frees its middle gap; the scheduler sees them free at once
-and admits more requests. The worker's block table keeps the old ids, which is safe because a
+a `PageRange`: from the prompt's pages keep the first `first_block` (the fast tier's share of the
+pool) and every page from the prompt's last, partly filled one on (generated tokens are written
+there). Each time the request's window is spanified during decoding, one more range follows: the
+pages wholly inside the compressed rows, after as many as their fast-tier share. On the request's
+next allocation the manager frees the pages of every range and puts the null block in their
+place, as the R-SWA manager frees its middle gap; the scheduler sees them free at once and
+admits more requests. The worker's block table keeps the old ids, which is safe because a
 compressed request's decode rows never reach vLLM's kernel: the runtime answers them from its
 own rows. Plans live in this module: the scheduler and the worker share the engine-core
 process on CPU (one worker, in-process executor).
@@ -31,12 +33,14 @@ class SeKVAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
-class PagePlan:
-    keep_blocks: int  # leading prompt pages kept: the fast tier's share of the pool
-    prompt_tokens: int
+class PageRange:
+    """Free the request's pages from `first_block` up to the last page wholly before `end_token`."""
+
+    first_block: int
+    end_token: int
 
 
-_plans: dict[str, PagePlan] = {}
+_plans: dict[str, list[PageRange]] = {}
 _freed_listeners: list[Callable[[str, bool], None]] = []
 # Requests whose pages the scheduler is freeing because it preempts them (set by a wrap of
 # Scheduler._preempt_request, shims_v032.py).
@@ -52,26 +56,28 @@ def on_request_freed(listener: Callable[[str, bool], None]) -> None:
     _freed_listeners.append(listener)
 
 
-def plan_release(req_id: str, keep_blocks: int, prompt_tokens: int) -> None:
-    """File a plan for a compressed request; the manager carries it out on its next allocation."""
-    _plans[req_id] = PagePlan(keep_blocks, prompt_tokens)
+def plan_release(req_id: str, ranges: list[PageRange]) -> None:
+    """File the page ranges of a compressed request (all so far); the manager frees them on its next
+    allocation."""
+    _plans[req_id] = list(ranges)
 
 
 class PageReturningManager(FullAttentionManager):
-    """FullAttentionManager that frees the prompt pages of requests with a PagePlan."""
+    """FullAttentionManager that frees the page ranges filed for compressed requests."""
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         global returned_pages
-        plan = _plans.get(request_id)
-        if plan is None:
+        ranges = _plans.get(request_id)
+        if not ranges:
             return
-        # Pages wholly inside the prompt and already processed; the last prompt page is kept
-        # because generated tokens fill the rest of it.
-        last = min(plan.prompt_tokens, processed_computed_tokens) // self.block_size
         blocks = self.req_to_blocks.get(request_id, [])
         before = sum(b is not self._null_block for b in blocks)
-        self._remove_blocks_in_range(request_id, plan.keep_blocks, last)
+        # Pages wholly inside a range and already processed (a recompute processes them again); a
+        # range's last, partly filled page is kept: the next range or the window fills the rest.
+        for r in ranges:
+            self._remove_blocks_in_range(request_id, r.first_block,
+                                         min(r.end_token, processed_computed_tokens) // self.block_size)
         freed = before - sum(b is not self._null_block for b in blocks)
         if freed:
             returned_pages += freed

@@ -5,7 +5,10 @@ Around each `execute_model` of a runner whose config carries `sekv`:
   after:  surprisal of the prompt tokens prefilled this step, from the model's own logits
           over them (s_t = -log p(x_t | x_<t)), and compression of every request whose
           prompt is now complete; its prompt pages are then handed back to vLLM's pool
-          (kv_pages.py) but for the fast tier's share.
+          (kv_pages.py) but for the fast tier's share. With `window_growth`, the surprisal of
+          compressed requests' output tokens too (from the logits this step computed for
+          sampling, resolved once the sampled token is known, at the next step), and the
+          spanification of every window that outgrew it, whose pages go back the same way.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.integration.vllm import kv_pages
+from sekv_vllm.integration.vllm.kv_pages import PageRange
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
 
@@ -50,8 +54,11 @@ class RunnerBridge:
         model_name = Path(runner.vllm_config.model_config.model).name
         self.runtime = SeKVRuntime(config, list(self.layers), shape, model_name)
         kv_pages.on_request_freed(self._on_pages_freed)
-        # Page plans of compressed requests, filed again when a preempted one resumes.
-        self._page_plans: dict[str, tuple[int, int]] = {}
+        # Page ranges of compressed requests, filed again when a preempted one resumes.
+        self._page_plans: dict[str, list[PageRange]] = {}
+        # Per compressed request: (position, logsumexp, logits [vocab] float32) of the token the last
+        # step's logits predict; its surprisal is known once that token is sampled.
+        self._pending_logits: dict[str, tuple[int, float, torch.Tensor]] = {}
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0
 
@@ -77,7 +84,7 @@ class RunnerBridge:
             if mem is not None and mem.suspended:
                 self.runtime.resume(req_id)
                 if req_id in self._page_plans:
-                    kv_pages.plan_release(req_id, *self._page_plans[req_id])
+                    kv_pages.plan_release(req_id, self._page_plans[req_id])
                 continue
             state = self.runner.requests.get(req_id)
             if state is None:
@@ -103,6 +110,11 @@ class RunnerBridge:
             self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
             if start + n >= mem.prompt_len:
                 self._compress(req_id)
+        if self.runtime.config.window_growth:
+            self._record_output_surprisal(scheduler_output, state.logits)
+            for req_id in list(self.runtime.requests):
+                if self.runtime.window_due(req_id):
+                    self._spanify(req_id)
 
     # -- batch facts for the metadata builder ----------------------------------------------
     def batch_req_ids(self, num_reqs: int) -> list[str]:
@@ -121,7 +133,63 @@ class RunnerBridge:
             self.runtime.suspend(req_id)
         else:
             self._page_plans.pop(req_id, None)
+            self._pending_logits.pop(req_id, None)
             self.runtime.release(req_id, outcome="preempted" if preempted else "ended")
+
+    def _record_output_surprisal(self, scheduler_output: "SchedulerOutput", logits: torch.Tensor | None) -> None:
+        """Surprisal of compressed requests' output tokens: the token predicted by the previous step's
+        logits is sampled by now; this step's logits (one row per request, batch order) predict the next."""
+        req_ids = self.runner.input_batch.req_ids
+        growth = self.runtime.config.window_growth
+        rows, pending = [], []
+        for i, req_id in enumerate(req_ids):
+            req = self.runner.requests.get(req_id)
+            # a window grows by at most max_tokens - 1 rows: no more than `growth`, never spanified
+            if not self.runtime.is_compressed(req_id) or (req.sampling_params.max_tokens or growth + 1) <= growth:
+                continue
+            before = self._pending_logits.pop(req_id, None)
+            if before is not None:
+                position, lse, row = before
+                j = position - len(req.prompt_token_ids)
+                if 0 <= j < len(req.output_token_ids) and req.output_token_ids[j] >= 0:
+                    value = lse - row[req.output_token_ids[j]]
+                    self.runtime.record_surprisal(req_id, torch.tensor([position]), value[None])
+            if logits is not None and logits.shape[0] == len(req_ids):
+                rows.append(i)
+                pending.append((req_id, req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
+        if rows:
+            picked = logits[rows].float()  # a copy: the sampler may change the logits in place
+            lse = torch.logsumexp(picked, dim=-1).tolist()
+            for k, (req_id, position) in enumerate(pending):
+                self._pending_logits[req_id] = (position, lse[k], picked[k])
+
+    def _spanify(self, req_id: str) -> None:
+        """Spanify the request's window; the pages wholly inside the compressed rows go back to the
+        pool but for the fast tier's share of every window spanified so far (rounded up once, not per window)."""
+        part = self.runtime.spanify_window(req_id)
+        ranges = self._page_plans.get(req_id)
+        if part is None or ranges is None:
+            return
+        block_size, block_bytes = self._block_size_and_bytes()
+        mem = self.runtime.get(req_id)
+        # pages wholly after the last range's end (a window smaller than `window` + growth may end
+        # inside pages the prompt's range freed already) and before these rows' end
+        first = ranges[-1].end_token // block_size
+        pages = max(part.stop // block_size - first, 0)
+        if not pages:
+            return
+        kept_before = mem.figures.setdefault("vllm_output_pages_kept", 0)
+        keep = max(min(math.ceil(mem.output_fast_tier_bytes / block_bytes) - kept_before, pages), 0)
+        ranges.append(PageRange(first + keep, part.stop))
+        kv_pages.plan_release(req_id, ranges)
+        mem.figures["vllm_output_pages_kept"] = kept_before + keep
+        mem.figures["vllm_pages_returned_bytes"] += (pages - keep) * block_bytes
+
+    def _block_size_and_bytes(self) -> tuple[int, int]:
+        """vLLM's page size in tokens, and the bytes of one page across every layer."""
+        kv_cache = next(iter(self.layers.values())).kv_cache
+        return self.runner.cache_config.block_size, kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
+
     def _record_surprisal(
         self, req_id: str, prompt: list[int], hidden: torch.Tensor, row0: int, start: int, n: int
     ) -> None:
@@ -143,17 +211,15 @@ class RunnerBridge:
         mem = self.runtime.compress(req_id)
         if mem.status is not Status.COMPRESSED:
             return
-        kv_cache = next(iter(self.layers.values())).kv_cache
-        block_bytes = kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
-        block_size = self.runner.cache_config.block_size
+        block_size, block_bytes = self._block_size_and_bytes()
         prompt_pages = math.ceil(mem.prompt_len / block_size)
         held = prompt_pages
         if self.runtime.config.return_pages:
             # Keep as many leading pages as the fast tier needs (the pool accounts for it) and
             # the last, partly filled prompt page; the manager returns the rest.
             keep = min(math.ceil(mem.figures["fast_tier_bytes"] / block_bytes), mem.prompt_len // block_size)
-            kv_pages.plan_release(req_id, keep, mem.prompt_len)
-            self._page_plans[req_id] = (keep, mem.prompt_len)
+            self._page_plans[req_id] = [PageRange(keep, mem.prompt_len)]
+            kv_pages.plan_release(req_id, self._page_plans[req_id])
             held = keep + (prompt_pages - mem.prompt_len // block_size)
         mem.figures["vllm_pages_held_bytes"] = held * block_bytes
         mem.figures["vllm_pages_returned_bytes"] = (prompt_pages - held) * block_bytes
