@@ -57,7 +57,7 @@ def test_full_pool_degrades_to_full_kv_without_error():
     prefill(rt, "r", 1000)
     mem = rt.compress("r")
     assert mem.status is Status.FULL_KV and mem.reason == "host pool full"
-    assert rt.pool.used_bytes == 0 and not mem.rows  # nothing half-stored
+    assert rt.pool.used_bytes == 0 and not mem.rows and not mem.captured  # nothing half-stored
 
 
 def test_release_frees_both_tiers_after_many_requests():

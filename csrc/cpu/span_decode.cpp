@@ -366,8 +366,9 @@ inline uint64_t order_key(float score, int64_t span) {
 
 // The inputs of one request (batch position b).
 struct Request {
-  float* full_k;  // [N, Hkv, D] (its first num_full rows)
-  float* full_v;
+  float* pages;  // [P, 2, block, Hkv, D]: each page's K rows, then its V rows
+  const int64_t* table;  // [num_full / block rounded up, at least]: the page of every `block` rows
+  int64_t block;
   int64_t num_full;
   const float* new_k;  // [Hkv, D]: written to row num_full - 1 first, or null
   const float* new_v;
@@ -394,6 +395,11 @@ struct Request {
   bool zoom_all;
 };
 
+// Row i's K (or V) for KV head kh in a request's pages.
+inline float* full_row(const Request& r, int64_t i, int64_t kh, bool value, int64_t Hkv, int64_t D) {
+  return r.pages + (((r.table[i / r.block] * 2 + value) * r.block + i % r.block) * Hkv + kh) * D;
+}
+
 const float* f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
   return t.data_ptr<float>();
@@ -406,9 +412,10 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// q: [B, H, D] float32. Per request b (lists of B tensors): full_k/full_v [N_b, Hkv, D] float32, of which
-// the first num_full[b] rows ([B] int64) are attended; new_k/new_v [B, Hkv, D] float32 (or empty): each
-// request's newest row, written to row num_full[b] - 1 of its full_k/full_v before it is attended;
+// q: [B, H, D] float32. Per request b (lists of B tensors): its full-resolution rows in pages
+// row_pages [P_b, 2, block_b, Hkv, D] float32 (a page's K rows, then its V rows) with page_table [n_b] int64 (row i
+// in page page_table[i / block_b]), of which the first num_full[b] rows ([B] int64) are attended; new_k/new_v
+// [B, Hkv, D] float32 (or empty): each request's newest row, written to row num_full[b] - 1 before it is attended;
 // summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
 // float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
 // byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
@@ -420,7 +427,7 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // empty; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
 // Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, per request).
 std::vector<torch::Tensor> span_decode(
-    const torch::Tensor& q, const std::vector<torch::Tensor>& full_k, const std::vector<torch::Tensor>& full_v,
+    const torch::Tensor& q, const std::vector<torch::Tensor>& row_pages, const std::vector<torch::Tensor>& page_table,
     const torch::Tensor& num_full, const torch::Tensor& new_k, const torch::Tensor& new_v,
     const std::vector<torch::Tensor>& summary_k, const std::vector<torch::Tensor>& summary_v,
     const std::vector<torch::Tensor>& span_len, const std::vector<torch::Tensor>& centroid_k,
@@ -433,12 +440,12 @@ std::vector<torch::Tensor> span_decode(
     double scale, double score_scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(static_cast<int64_t>(full_k.size()) == B && full_v.size() == full_k.size() &&
-                  summary_k.size() == full_k.size() && summary_v.size() == full_k.size() &&
-                  span_len.size() == full_k.size() && centroid_k.size() == full_k.size() &&
-                  log_count.size() == full_k.size() && coef_k.size() == full_k.size() &&
-                  basis_k.size() == full_k.size() && coef_v.size() == full_k.size() &&
-                  basis_v.size() == full_k.size() && row_offset.size() == full_k.size(),
+  TORCH_CHECK(static_cast<int64_t>(row_pages.size()) == B && page_table.size() == row_pages.size() &&
+                  summary_k.size() == row_pages.size() && summary_v.size() == row_pages.size() &&
+                  span_len.size() == row_pages.size() && centroid_k.size() == row_pages.size() &&
+                  log_count.size() == row_pages.size() && coef_k.size() == row_pages.size() &&
+                  basis_k.size() == row_pages.size() && coef_v.size() == row_pages.size() &&
+                  basis_v.size() == row_pages.size() && row_offset.size() == row_pages.size(),
               "every per-request list must have B = q.size(0) tensors");
   TORCH_CHECK(code_bits == 0 || ((code_bits == 2 || code_bits == 4 || code_bits == 8) &&
                                   static_cast<int64_t>(centroid_lo.size()) == B && centroid_step.size() == centroid_lo.size()),
@@ -470,8 +477,9 @@ std::vector<torch::Tensor> span_decode(
   std::vector<int64_t> span_offset(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     Request& r = reqs[b];
-    r.full_k = const_cast<float*>(f32(full_k[b], "full_k"));
-    r.full_v = const_cast<float*>(f32(full_v[b], "full_v"));
+    const auto& pages = row_pages[b];
+    r.pages = const_cast<float*>(f32(pages, "row_pages"));
+    r.table = i64(page_table[b], "page_table");
     r.num_full = num_full_p[b];
     r.new_k = appending ? new_k_p + b * Hkv * D : nullptr;
     r.new_v = appending ? new_v_p + b * Hkv * D : nullptr;
@@ -479,11 +487,14 @@ std::vector<torch::Tensor> span_decode(
     r.summary_v = f32(summary_v[b], "summary_v");
     r.span_len = i64(span_len[b], "span_len");
     r.num_spans = span_len[b].numel();
-    TORCH_CHECK(full_k[b].dim() == 3 && full_k[b].size(1) == Hkv && full_k[b].size(2) == D &&
-                    full_v[b].sizes() == full_k[b].sizes(),
-                "full_k/full_v must be [N, Hkv, D] alike");
-    TORCH_CHECK(r.num_full >= (appending ? 1 : 0) && r.num_full <= full_k[b].size(0),
-                "num_full must be within the rows of full_k (at least 1 with new rows)");
+    TORCH_CHECK(pages.dim() == 5 && pages.size(1) == 2 && pages.size(2) > 0 && pages.size(3) == Hkv &&
+                    pages.size(4) == D,
+                "row_pages must be [P, 2, block, Hkv, D]");
+    r.block = pages.size(2);
+    TORCH_CHECK(r.num_full >= (appending ? 1 : 0) && r.num_full <= page_table[b].numel() * r.block,
+                "num_full must be within the rows of page_table's pages (at least 1 with new rows)");
+    for (int64_t i = 0; i < (r.num_full + r.block - 1) / r.block; ++i)
+      TORCH_CHECK(r.table[i] >= 0 && r.table[i] < pages.size(0), "page_table entries must be pages of row_pages");
     TORCH_CHECK(summary_k[b].dim() == 3 && summary_k[b].size(0) == r.num_spans && summary_k[b].size(1) == Hkv &&
                     summary_k[b].size(2) == D && summary_v[b].sizes() == summary_k[b].sizes(),
                 "summary_k/summary_v must be [S, Hkv, D] with S = span_len.numel()");
@@ -565,8 +576,8 @@ std::vector<torch::Tensor> span_decode(
       const int64_t S = r.num_spans, C = r.num_centroids, R = r.rank;
       const float* qg = qp + (b * H + kh * G) * D;  // the G query heads of this KV head
       if (r.new_k) {
-        std::copy(r.new_k + kh * D, r.new_k + (kh + 1) * D, r.full_k + ((r.num_full - 1) * Hkv + kh) * D);
-        std::copy(r.new_v + kh * D, r.new_v + (kh + 1) * D, r.full_v + ((r.num_full - 1) * Hkv + kh) * D);
+        std::copy(r.new_k + kh * D, r.new_k + (kh + 1) * D, full_row(r, r.num_full - 1, kh, false, Hkv, D));
+        std::copy(r.new_v + kh * D, r.new_v + (kh + 1) * D, full_row(r, r.num_full - 1, kh, true, Hkv, D));
       }
       if (r.code_bits) {
         val.resize(C);
@@ -724,8 +735,8 @@ std::vector<torch::Tensor> span_decode(
       krows.clear();
       vrows.clear();
       for (int64_t i = 0; i < r.num_full; ++i) {
-        krows.push_back(r.full_k + (i * Hkv + kh) * D);
-        vrows.push_back(r.full_v + (i * Hkv + kh) * D);
+        krows.push_back(full_row(r, i, kh, false, Hkv, D));
+        vrows.push_back(full_row(r, i, kh, true, Hkv, D));
       }
       for (int64_t s = 0; s < S; ++s) {
         if (zoomed[s]) continue;

@@ -31,6 +31,7 @@ from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy, segment_budgeted_zoom
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
+from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
 logger = logging.getLogger("sekv_vllm")
@@ -39,6 +40,8 @@ _NO_CODES = torch.zeros(0, dtype=torch.float16)
 _NO_QUERY_FEATURES = torch.zeros(0, 0, 0)
 _NO_NEW_ROWS = torch.zeros(0)
 _ROWS = torch.zeros(0)
+# Rows per page of a request's own pages (before the engine's are handed over, and in tests).
+OWN_BLOCK = 64
 
 
 def _basis(bases: SpanBases) -> torch.Tensor:
@@ -73,9 +76,12 @@ class RequestMemory:
     # The budget covers every span at token resolution: no choice to make, every span is
     # rebuilt exactly (no gates) and the policy is not asked.
     zoom_all: bool = False
-    # PREFILLING: every computed row by position; COMPRESSED: full-resolution rows only
-    # (anchors and short runs, then window and generated tokens, in position order).
-    rows: dict[str, RowBuffer] = field(default_factory=dict)
+    # PREFILLING: every computed row by position, per layer.
+    captured: dict[str, RowBuffer] = field(default_factory=dict)
+    # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
+    # rows and the output not spanified, in position order), per layer; in the engine's pages once
+    # it hands them over (`place_rows`), else in pages of their own.
+    rows: dict[str, PagedRows] = field(default_factory=dict)
     # Per layer, the policy's span-side score features (`ZoomPolicy.key_features`), if it has any.
     key_features: dict[str, torch.Tensor] = field(default_factory=dict)
     # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
@@ -260,13 +266,14 @@ class SeKVRuntime:
     def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n)."""
         mem = self.requests[req_id]
-        buf = mem.rows.get(layer_name)
-        if buf is None:
-            buf = mem.rows[layer_name] = RowBuffer(mem.prompt_len, k.shape[1], k.shape[2], k.dtype)
         if mem.status is Status.PREFILLING:
+            buf = mem.captured.get(layer_name)
+            if buf is None:
+                buf = mem.captured[layer_name] = RowBuffer(mem.prompt_len, k.shape[1], k.shape[2], k.dtype)
             buf.write(start, k, v)
         else:  # decode rows join the window
-            buf.append(k, v)
+            self._make_room(mem, layer_name, k.shape[0])
+            mem.rows[layer_name].append(k, v)
             self._advance([req_id], layer_name, k.shape[0])
 
     def _advance(self, req_ids: list[str], layer_name: str, n: int) -> None:
@@ -279,7 +286,7 @@ class SeKVRuntime:
         """Segment the prompt and compress every layer from its captured rows."""
         mem = self.requests[req_id]
         cfg = self.config
-        if set(mem.rows) != set(self.layer_names):
+        if set(mem.captured) != set(self.layer_names):
             return self._keep_full(mem, "prompt rows were not captured in every layer")
         surprisal = mem.surprisal[: mem.prompt_len]
         layout, zoom_budget = plan_layout(surprisal, mem.budget, cfg)
@@ -288,7 +295,7 @@ class SeKVRuntime:
             return self._keep_full(mem, "no span of at least l_min tokens outside the window")
         T = mem.prompt_len
         for i, name in enumerate(self.layer_names):
-            k, v = mem.rows[name].view()
+            k, v = mem.captured[name].view()
             layer = compress_layer(k[:T], v[:T], layout, surprisal, cfg.r_max,
                                    0 if zoom_all else cfg.score_centroids, cfg.score_bits,
                                    None if zoom_all else functools.partial(self.policy.key_gates, i))
@@ -301,13 +308,12 @@ class SeKVRuntime:
                 return self._keep_full(mem, "host pool full")
         # Keep only the full-resolution rows; rows past the prompt (a resumed request's
         # earlier output) stay as window rows.
-        mem.next_position = mem.rows[self.layer_names[0]].length
+        mem.next_position = mem.captured[self.layer_names[0]].length
         keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.next_position)])
         for name in self.layer_names:
-            k, v = mem.rows[name].view()
-            full = RowBuffer(keep.numel() + cfg.window, k.shape[1], k.shape[2], k.dtype)
-            full.append(k[keep], v[keep])
-            mem.rows[name] = full
+            k, v = mem.captured[name].view()
+            mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], OWN_BLOCK, spare=cfg.window + cfg.window_growth)
+        mem.captured = {}
         if self.kernel is not None and k.dtype != torch.float32:
             # `decode_kernel: cpp` with such a cache is refused at start-up (shims_v032.py)
             logger.warning("sekv: the C++ decode kernel reads float32 KV rows, these are %s: decoding with "
@@ -416,9 +422,7 @@ class SeKVRuntime:
         keep = torch.cat([torch.arange(r0), r0 + layout.fixed_pos, torch.arange(r0 + n, mem.rows[self.layer_names[0]].length)])
         for name in self.layer_names:
             k, v = mem.rows[name].view()
-            rows = RowBuffer(keep.numel() + cfg.window_growth + 1, k.shape[1], k.shape[2], k.dtype)
-            rows.append(k[keep], v[keep])
-            mem.rows[name] = rows
+            mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], OWN_BLOCK, spare=cfg.window_growth + 1)
         # The budget grows with the compressed text at the request's ratio; what its new anchors and
         # summaries do not take goes to zoomed spans.
         num_fixed = int(layout.fixed_pos.numel())
@@ -437,11 +441,50 @@ class SeKVRuntime:
 
     def _row_bytes(self, mem: RequestMemory) -> int:
         """Bytes of one row (K and V of every KV head) of one layer."""
-        k0 = mem.rows[self.layer_names[0]].k
-        return 2 * k0[0].numel() * k0.element_size()
+        rows = mem.rows[self.layer_names[0]]
+        Hkv, D = rows.row_shape
+        return 2 * Hkv * D * rows.pages.element_size()
+
+    # -- where the rows live ---------------------------------------------------------------
+    def place_rows(self, req_id: str, pages: dict[str, torch.Tensor], table: torch.Tensor) -> bool:
+        """Move a compressed request's full-resolution rows into the engine's pages: pages[layer]
+        [P, 2, block, Hkv, D] (the engine's KV cache of that layer, reinterpreted), table [m] int64 the
+        request's pages in the order its rows fill them (the kept ones; later ones come with
+        `add_pages`). False (rows left where they are, logged) when they do not fit."""
+        mem = self.requests[req_id]
+        block = next(iter(pages.values())).shape[2]
+        if table.numel() * block < mem.rows[self.layer_names[0]].length:
+            logger.warning("sekv: %s: %d rows do not fit its %d kept pages; they stay in sekv's own memory",
+                           req_id, mem.rows[self.layer_names[0]].length, table.numel())
+            return False
+        for name in self.layer_names:
+            mem.rows[name] = mem.rows[name].place(pages[name], table)
+        return True
+
+    def add_pages(self, req_id: str, table: torch.Tensor) -> None:
+        """More engine pages for a request whose rows are in the engine's pages (its output grows)."""
+        mem = self.requests[req_id]
+        for rows in mem.rows.values():
+            if not rows.own:
+                rows.table = torch.cat([rows.table, table.to(torch.int64)])
+
+    def rows_in_engine_pages(self, req_id: str) -> bool:
+        mem = self.requests.get(req_id)
+        return mem is not None and bool(mem.rows) and not mem.rows[self.layer_names[0]].own
+
+    def _make_room(self, mem: RequestMemory, layer_name: str, n: int) -> None:
+        """Room for n more rows; engine pages that ran out (the engine handed none over in time) are
+        left for pages of sekv's own, logged: the request goes on."""
+        rows = mem.rows[layer_name]
+        if rows.own or rows.length + n <= rows.capacity:
+            return
+        logger.warning("sekv: %s: its engine pages are full; its rows move to sekv's own memory", mem.req_id)
+        for name, r in mem.rows.items():
+            if not r.own:
+                mem.rows[name] = PagedRows.of_rows(*r.view(), OWN_BLOCK, spare=self.config.window_growth + n)
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
-        mem.status, mem.reason, mem.rows = Status.FULL_KV, reason, {}
+        mem.status, mem.reason, mem.rows, mem.captured = Status.FULL_KV, reason, {}, {}
         logger.info("sekv: request %s keeps full KV: %s", mem.req_id, reason)
         return mem
 
@@ -468,14 +511,15 @@ class SeKVRuntime:
         batch = self._batch_spans(req_ids, layer_name)
         layer = self.layer_index[layer_name]
         if self.kernel is not None:
-            bufs = [self.requests[r].rows[layer_name] for r in req_ids]
             if new_k is not None:
-                for buf in bufs:
-                    buf.grow(1)
+                for r in req_ids:
+                    self._make_room(self.requests[r], layer_name, 1)
+                    self.requests[r].rows[layer_name].grow(1)
                 self._advance(req_ids, layer_name, 1)
+            bufs = [self.requests[r].rows[layer_name] for r in req_ids]
             terms = self.policy.query_terms(layer, q, scale)
             out, zoomed = self.kernel.span_decode(
-                q.float().contiguous(), [b.k for b in bufs], [b.v for b in bufs],
+                q.float().contiguous(), [b.pages for b in bufs], [b.table for b in bufs],
                 torch.tensor([b.length for b in bufs], dtype=torch.int64),
                 _NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
                 _NO_NEW_ROWS if new_v is None else new_v.float().contiguous(), *batch.kernel_spans,
@@ -572,6 +616,7 @@ class SeKVRuntime:
             if mem.window_pos > mem.prompt_len else 0.0,
             output_fast_tier_bytes=mem.output_fast_tier_bytes,
             full_resolution_rows=mem.rows[self.layer_names[0]].length,
+            rows_in_vllm_pages=not mem.rows[self.layer_names[0]].own,
             host_pool_bytes_now=self.pool.owner_bytes(req_id),
         )
 
@@ -579,11 +624,16 @@ class SeKVRuntime:
         """A compressed request was preempted: keep its state (host pool, rows) for the recompute
         that resumes it, so that it is not compressed again from rows computed another way (its
         output rows would then come from exact attention, not from its compressed decode) and its
-        output does not change. `release` frees it when it ends."""
+        output does not change. Rows in the engine's pages are copied out first: the engine frees
+        those pages now (its recompute computes them again, exactly, not as these rows). `release`
+        frees it when it ends."""
         mem = self.requests[req_id]
         if mem.suspended:
             return
         mem.suspended = True
+        for name, rows in mem.rows.items():
+            if not rows.own:
+                mem.rows[name] = PagedRows.of_rows(*rows.view(), OWN_BLOCK, spare=self.config.window_growth)
         logger.info("sekv: %s preempted; its compressed state (%d host-pool bytes) is kept for its recompute",
                     req_id, self.pool.owner_bytes(req_id))
 

@@ -1,4 +1,4 @@
-"""A growable buffer of K/V rows, written by position or appended."""
+"""The rows of a prefilling request, captured by position (compression reads them once)."""
 from __future__ import annotations
 
 import torch
@@ -30,18 +30,5 @@ class RowBuffer:
         self.v[start : start + n] = v
         self.length = max(self.length, start + n)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.write(self.length, k, v)
-
-    def grow(self, n: int) -> None:
-        """n more valid rows, written by the caller into `k` and `v` (after this call) at [length - n, length)."""
-        if self.length + n > self.k.shape[0]:
-            self._reserve(self.length + n)
-        self.length += n
-
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[: self.length], self.v[: self.length]
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.length * self.k[0].numel() * self.k.element_size()

@@ -4,13 +4,37 @@
 SPEC: {"model": str, "sekv": {...} | null (stock vLLM, plugins off), "num_blocks": int | null,
        "prompts": [[token ids]], "max_tokens": int, "abort": {"after_step": int, "indices": [int]}}
 
-Per step the trace records, per live request, the pages it holds (null pages excluded) and
-whether it is running with output; the result adds the pool's free pages at start and end,
+Per step the trace records, per live request, the pages it holds (null pages excluded),
+whether it is running with output, and (sekv) whether each compressed request's rows are inside
+pages it holds in vLLM's KV cache; the result adds the pool's free pages at start and end,
 preemptions, block ids held after compression, and what sekv's runtime still holds at the end.
 """
 import json
 import os
 import sys
+
+
+def rows_in_pages(manager) -> dict[str, bool]:
+    """Per compressed request whose rows sekv keeps in vLLM's pages: whether every page they use is one the
+    request holds (not null) and the rows are in vLLM's KV cache memory of every layer."""
+    from sekv_vllm.integration.vllm.runner_bridge import current_bridge
+
+    bridge = current_bridge()
+    if bridge is None:
+        return {}
+    out = {}
+    for req_id in bridge.runtime.requests:
+        if not bridge.runtime.rows_in_engine_pages(req_id):
+            continue
+        mem = bridge.runtime.get(req_id)
+        held = {b.block_id for b in manager.req_to_blocks.get(req_id, []) if b is not manager._null_block}
+        ok = True
+        for name, layer in bridge.layers.items():
+            rows = mem.rows[name]
+            used = rows.table[: -(-rows.length // rows.block)].tolist()
+            ok &= set(used) <= held and rows.pages.data_ptr() == layer.kv_cache.data_ptr()
+        out[req_id] = ok
+    return out
 
 
 def main() -> None:
@@ -60,7 +84,8 @@ def main() -> None:
             held[engine_id] = len(live)
             block_ids_seen.setdefault(engine_id, set()).update(live)
         running = [r.request_id for r in scheduler.running if r.num_output_tokens > 0]
-        trace.append({"held": held, "running_with_output": len(running), "free": pool.get_num_free_blocks()})
+        trace.append({"held": held, "running_with_output": len(running), "free": pool.get_num_free_blocks(),
+                      "rows_in_pages": rows_in_pages(manager) if spec.get("sekv") is not None else {}})
     result = {
         "outputs": [outputs.get(rid) for rid in ids],
         "trace": trace,

@@ -39,6 +39,9 @@ def test_page_count_drops_to_the_fast_tier_share_after_compression(model_dir, es
     assert keep <= math.ceil(0.25 * (n // bs))
     assert r["free_at_end"] == r["free_at_start"]
     assert "returned" in r["stderr"] and "pages to vLLM's pool" in r["stderr"]
+    # the fast tier's rows live in those kept pages (vLLM's KV cache), not beside them
+    checks = [ok for t in r["trace"] for ok in t["rows_in_pages"].values()]
+    assert checks and all(checks) and fig["rows_in_vllm_pages"]
 
 
 def test_returned_pages_admit_more_requests_and_outputs_do_not_change(model_dir, essay_ids, tmp_path):
@@ -57,17 +60,24 @@ def test_returned_pages_admit_more_requests_and_outputs_do_not_change(model_dir,
     assert small["preemptions"] == 0 and small["free_at_end"] == small["free_at_start"]
 
 
-def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_ids, tmp_path):
-    # A compressed request preempted after 325 tokens keeps its compressed state; its recompute
-    # decodes only the newest row from it (the decode is batch-invariant: tests/test_runtime.py).
-    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256},
-            "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1200}
-    tiny = pages({**spec, "num_blocks": 12}, tmp_path)  # three compressed requests outgrow 11 pages
+@pytest.mark.parametrize("growth, num_blocks", [(0, 12), (128, 10)])
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(growth, num_blocks, model_dir, essay_ids, tmp_path):
+    # A compressed request preempted mid-output keeps its compressed state; its recompute decodes
+    # only the newest row from it (the decode is batch-invariant: tests/test_runtime.py). With the
+    # window spanified every 128 rows (fewer pages held: a smaller pool still preempts) its page
+    # ranges are filed again when it resumes.
+    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "window_growth": growth},
+            "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1110}
+    tiny = pages({**spec, "num_blocks": num_blocks}, tmp_path)  # three compressed requests outgrow the pool
     roomy = pages(spec, tmp_path)
     assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
     assert "is kept for its recompute" in tiny["stderr"]
     assert tiny["outputs"] == roomy["outputs"]
     assert tiny["runtime_requests_left"] == 0 and tiny["host_pool_used_bytes"] == 0
+    # rows copied out of the pages freed by preemption, back into the new ones after the recompute
+    checks = [ok for t in tiny["trace"] for ok in t["rows_in_pages"].values()]
+    assert checks and all(checks)
+    assert all(f["output_spans"] > 0 for f in tiny["figures"]) == (growth > 0)
 
 
 def test_aborted_and_finished_requests_free_both_tiers(model_dir, essay_ids, tmp_path):

@@ -86,6 +86,19 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), torch.zeros(0),
                            torch.zeros(0), *([[]] * 7), 0, *([[]] * 6), torch.zeros(2, dtype=torch.int64),
                            torch.zeros(2, dtype=torch.bool), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1)
+    rows = rt.requests["a"].rows[LAYERS[0]]
+    m = rt.pool.load("a", LAYERS[0])
+    args = [torch.zeros(1, 9, 64), [rows.pages], [rows.table + rows.pages.shape[0]],
+            torch.tensor([rows.length]), torch.zeros(0), torch.zeros(0), [m.summary_k], [m.summary_v], [m.span_len],
+            [m.keys.codes.codes], [m.keys.log_count], [m.keys.codes.lo], [m.keys.codes.step], 2, [],
+            [m.bases_k.coef], [torch.zeros(0)], [m.bases_v.coef], [torch.zeros(0)], [m.bases_k.row_offset],
+            torch.tensor([4]), torch.tensor([False]), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1]
+    with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
+        kernel.span_decode(*args)
+    args[2] = [rows.table]
+    args[3] = torch.tensor([rows.capacity + 1])
+    with pytest.raises(RuntimeError, match="num_full must be within the rows of page_table's pages"):
+        kernel.span_decode(*args)
     assert rt.requests["a"].zoom_budget > 0
 
 
@@ -101,8 +114,9 @@ def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
     ids = list(prompts)
     for rt in (fused, captured):
         rt.kernel = kernel
-    capacity = fused.requests["a"].rows[LAYERS[0]].k.shape[0]
-    for _ in range(20):  # past the 16 spare rows the window was made with: its buffer grows
+    fused.requests["a"].rows[LAYERS[0]].reserve(0)
+    capacity = fused.requests["a"].rows[LAYERS[0]].capacity
+    for _ in range(capacity - fused.requests["a"].rows[LAYERS[0]].length + 4):  # past its pages: they grow
         q = torch.randn(2, 9, 64, generator=g)
         k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
         for name in LAYERS:
@@ -110,12 +124,47 @@ def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
                 captured.capture(r, name, 0, k[i : i + 1], v[i : i + 1])
             ref = captured.attend_batch(ids, name, q, 0.125)
             assert torch.equal(fused.attend_batch(ids, name, q, 0.125, k, v), ref)
-    assert fused.requests["a"].rows[LAYERS[0]].k.shape[0] > capacity
+    assert fused.requests["a"].rows[LAYERS[0]].capacity > capacity
     for r in ids:
         assert fused.requests[r].next_position == captured.requests[r].next_position
         for name in LAYERS:
             assert all(torch.equal(x, y) for x, y in zip(fused.requests[r].rows[name].view(),
                                                          captured.requests[r].rows[name].view()))
+
+
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_rows_in_scattered_engine_pages_decode_as_rows_in_own_pages(path, caplog):
+    """Rows handed to the engine's pages (any page order, another page size, pages of other requests
+    around them) and the newest rows the decode call writes there: the same outputs as own pages."""
+    kernel = kernel_or_skip() if path == "cpp" else None
+    prompts = {"a": 900, "b": 1300}
+    paged, own = _runtime(prompts), _runtime(prompts)
+    for rt in (paged, own):
+        rt.kernel = kernel
+    g = torch.Generator().manual_seed(6)
+    cache = {name: torch.randn(64, 2, 16, 3, 64, generator=g) for name in LAYERS}  # an engine's pool of 64 pages
+    free = torch.randperm(64, generator=g)
+    for i, r in enumerate(prompts):
+        n = paged.requests[r].rows[LAYERS[0]].length
+        table = free[i * 20 : i * 20 + (n + 2) // 16 + 1]  # their rows and 1-2 spare rows, scattered
+        assert paged.place_rows(r, cache, table)
+        assert paged.rows_in_engine_pages(r) and paged.requests[r].rows[LAYERS[1]].pages is cache[LAYERS[1]]
+    ids = list(prompts)
+    with caplog.at_level("WARNING", logger="sekv_vllm"):
+        for step in range(40):
+            if step == 10:
+                paged.add_pages("a", free[60:62])  # the engine hands more pages over; "b" gets none
+            q = torch.randn(2, 9, 64, generator=g)
+            k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+            for name in LAYERS:
+                assert torch.equal(paged.attend_batch(ids, name, q, 0.125, k, v), own.attend_batch(ids, name, q, 0.125, k, v))
+    assert paged.rows_in_engine_pages("a") and set(paged.requests["a"].rows[LAYERS[0]].table.tolist()) <= set(free.tolist())
+    # "b" ran out of handed-over pages: its rows moved to sekv's own memory, said so, and went on
+    assert not paged.rows_in_engine_pages("b") and "engine pages are full" in caplog.text
+    for r in ids:
+        for name in LAYERS:
+            assert all(torch.equal(x, y) for x, y in zip(paged.requests[r].rows[name].view(), own.requests[r].rows[name].view()))
+    assert not paged.place_rows("b", cache, free[:1])  # too few pages: refused, rows stay
 
 
 def test_bases_are_kept_as_rows_when_factors_would_be_larger():

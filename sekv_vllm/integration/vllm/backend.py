@@ -4,8 +4,9 @@ Prefill is vLLM's own exact attention over its pages. The builder plans once per
 every layer: which token rows the SeKV runtime captures (a prefilling request's prompt rows),
 which decode rows it answers (a compressed request's newest row, whose K/V the same call
 appends to its window), and vLLM metadata for the rows that stay exact. The impl executes: vLLM's kernel for the exact rows, the SeKV mixed
-attention for the compressed ones. The runtime keeps its own copy of the rows it needs, so
-it never depends on the kernel's private page layout.
+attention for the compressed ones. A compressed request's rows live in the pages it keeps, in
+sekv's own layout (vLLM's kernel never reads those pages again); a prefilling request's rows are
+captured into sekv's own buffer (compression reads them once).
 
         batch rows:   [ decode, decode, decode | prefill chunk ... ]
         compressed:   [   yes ,   no  ,  yes   |       no         ]
@@ -81,6 +82,7 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
                 if last == mem.next_position:
                     attend_rows.append(qsl[i + 1] - 1)
                     attend_ids.append(req_id)
+                    bridge.sync_pages(req_id)  # the page vLLM allocated for this row, if a new one
                 if n > 1 or last != mem.next_position:
                     exact_reqs.append(i)
                 continue

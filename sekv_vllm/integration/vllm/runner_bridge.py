@@ -9,6 +9,9 @@ Around each `execute_model` of a runner whose config carries `sekv`:
           compressed requests' output tokens too (from the logits this step computed for
           sampling, resolved once the sampled token is known, at the next step), and the
           spanification of every window that outgrew it, whose pages go back the same way.
+          Then every compressed request's full-resolution rows move into the pages it keeps
+          (vLLM's KV cache of each layer, reinterpreted as [pages, 2, block, Hkv, D]); the metadata
+          builder hands it each page vLLM allocates later (`sync_pages`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ logger = logging.getLogger("sekv_vllm")
 _current: "RunnerBridge | None" = None
 # Rows of logits computed at once for surprisal: bounds the [rows, vocab] float32 buffer.
 _LOGIT_CHUNK = 256
+# `_placed` of a request whose rows did not fit its kept pages (logged once; tried again after a spanification).
+_DID_NOT_FIT = -1
 
 
 def current_bridge() -> "RunnerBridge | None":
@@ -59,6 +64,9 @@ class RunnerBridge:
         # Per compressed request: (position, logsumexp, logits [vocab] float32) of the token the last
         # step's logits predict; its surprisal is known once that token is sampled.
         self._pending_logits: dict[str, tuple[int, float, torch.Tensor]] = {}
+        # Compressed requests whose rows were put in vLLM's pages: how many of their block ids were handed over.
+        self._placed: dict[str, int] = {}
+        self._kv_pages: dict[str, torch.Tensor] | None = None
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0
 
@@ -115,10 +123,28 @@ class RunnerBridge:
             for req_id in list(self.runtime.requests):
                 if self.runtime.window_due(req_id):
                     self._spanify(req_id)
+        for req_id in self.runner.input_batch.req_ids:
+            mem = self.runtime.get(req_id)
+            if (mem is None or mem.status is not Status.COMPRESSED or mem.suspended
+                    or self.runtime.rows_in_engine_pages(req_id) or self._placed.get(req_id) == _DID_NOT_FIT
+                    or self.runner.requests[req_id].num_computed_tokens
+                    + scheduler_output.num_scheduled_tokens.get(req_id, 0) < mem.next_position):
+                continue  # not compressed, placed (or tried), or not computed up to its newest row (a recompute)
+            self._place_rows(req_id)
 
     # -- batch facts for the metadata builder ----------------------------------------------
     def batch_req_ids(self, num_reqs: int) -> list[str]:
         return self.runner.input_batch.req_ids[:num_reqs]
+
+    def sync_pages(self, req_id: str) -> None:
+        """Hand a compressed request's pages allocated since it was placed to its rows."""
+        have = self._placed.get(req_id)
+        if have is None or have == _DID_NOT_FIT or not self.runtime.rows_in_engine_pages(req_id):
+            return
+        block_ids = self.runner.requests[req_id].block_ids[0]
+        if len(block_ids) > have:
+            self.runtime.add_pages(req_id, torch.tensor(block_ids[have:], dtype=torch.int64))
+            self._placed[req_id] = len(block_ids)
 
     def has_active(self) -> bool:
         """Whether any request of this worker needs SeKV (prefilling or compressed)."""
@@ -129,6 +155,7 @@ class RunnerBridge:
         mem = self.runtime.get(req_id)
         if mem is None:
             return
+        self._placed.pop(req_id, None)  # preempted: its rows are copied out of the pages freed now
         if preempted and mem.status is Status.COMPRESSED:
             self.runtime.suspend(req_id)
         else:
@@ -167,6 +194,8 @@ class RunnerBridge:
         """Spanify the request's window; the pages wholly inside the compressed rows go back to the
         pool but for the fast tier's share of every window spanified so far (rounded up once, not per window)."""
         part = self.runtime.spanify_window(req_id)
+        if part is not None:
+            self._placed.pop(req_id, None)  # its rows, rewritten, are in sekv's own pages until placed again
         ranges = self._page_plans.get(req_id)
         if part is None or ranges is None:
             return
@@ -184,6 +213,29 @@ class RunnerBridge:
         kv_pages.plan_release(req_id, ranges)
         mem.figures["vllm_output_pages_kept"] = kept_before + keep
         mem.figures["vllm_pages_returned_bytes"] += (pages - keep) * block_bytes
+
+    def _place_rows(self, req_id: str) -> None:
+        """Move a compressed request's rows into the pages it keeps: every page of its block table but
+        those its page ranges return (still listed until the manager frees them), in order."""
+        block_size = self.runner.cache_config.block_size
+        block_ids = self.runner.requests[req_id].block_ids[0]
+        ranges = self._page_plans.get(req_id, [])
+        kept = [b for i, b in enumerate(block_ids)
+                if not any(r.first_block <= i < r.end_token // block_size for r in ranges)]
+        placed = self.runtime.place_rows(req_id, self._engine_pages(), torch.tensor(kept, dtype=torch.int64))
+        self._placed[req_id] = len(block_ids) if placed else _DID_NOT_FIT
+
+    def _engine_pages(self) -> dict[str, torch.Tensor]:
+        """Each layer's KV cache [num_blocks, Hkv, block, 2 D] as pages of rows [num_blocks, 2, block, Hkv, D]
+        (the same memory): a page sekv keeps is never read by vLLM's kernel."""
+        if self._kv_pages is None:
+            pages = {}
+            for name, layer in self.layers.items():
+                cache = layer.kv_cache
+                num_blocks, Hkv, block, two_d = cache.shape
+                pages[name] = cache.view(num_blocks, 2, block, Hkv, two_d // 2)
+            self._kv_pages = pages
+        return self._kv_pages
 
     def _block_size_and_bytes(self) -> tuple[int, int]:
         """vLLM's page size in tokens, and the bytes of one page across every layer."""
