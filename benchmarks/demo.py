@@ -7,10 +7,9 @@ answered by stock vLLM (full KV) and by sekv at a 25% budget, with sekv's figure
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from benchmarks.engine import make_llm, run_in_subprocess, timed_generate
+from benchmarks.engine import make_llm, run_in_subprocess, timed_generate, worker_or_model
 from sekv_vllm.tasks.ruler import chat_prompt, make_sample, score, token_counter
 
 
@@ -39,12 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--budget", type=float, default=0.25)
     args = parser.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    model = worker_or_model(args.worker, worker)
+    if model is None:
         return 0
-    from sekv_vllm.entrypoints.default_model import prepare_default_model
-
-    spec = {"model": str(prepare_default_model()), "tokens": args.tokens, "depth": args.depth}
+    spec = {"model": model, "tokens": args.tokens, "depth": args.depth}
     print(f"needle at depth {args.depth} of a ~{args.tokens}-token essay haystack (SmolLM2-135M-Instruct, CPU)\n")
     stock = run_in_subprocess("benchmarks.demo", {**spec, "sekv": None}, stock=True)
     print(f"stock vLLM, full KV   ({stock['seconds']} s): {stock['answer']!r}  needle {stock['needle']} "

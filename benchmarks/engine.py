@@ -34,6 +34,22 @@ def run_in_subprocess(module: str, spec: dict, stock: bool, show_progress: bool 
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def worker_or_model(worker_spec: str | None, worker) -> str | None:
+    """The worker side of `run_in_subprocess`: given `--worker SPEC`, print worker(spec) after `RESULT `
+    and return None; else the default model's folder (converted on first use), for the parent."""
+    if worker_spec:
+        print("RESULT " + json.dumps(worker(json.loads(worker_spec))))
+        return None
+    from sekv_vllm.entrypoints.default_model import prepare_default_model
+
+    return str(prepare_default_model())
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that ran `module` with these arguments, for a results file."""
+    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def make_llm(model: str, sekv: dict | None, max_model_len: int):
     from vllm import LLM
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engine import make_llm, run_in_subprocess
+from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
 from benchmarks.perf.run import add_engine_args, essay_prompts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -79,13 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16)
     add_engine_args(parser, decode_tokens=64, out=RESULTS / "capacity_cpu.json")
     args = parser.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    model = worker_or_model(args.worker, worker)
+    if model is None:
         return 0
-    from sekv_vllm.entrypoints.default_model import prepare_default_model
-
-    model = str(prepare_default_model())
-    result = {"command": "python -m benchmarks.perf.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line("benchmarks.perf.capacity", argv),
               "model": Path(model).name, "length": args.length, "budget_ratio": args.budget,
               "decode_tokens": args.decode_tokens, "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count()}
     for backend in ("vllm", "sekv"):

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engine import make_llm, run_in_subprocess
+from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
 from benchmarks.perf.run import essay_prompts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -103,13 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--growth", type=int, default=256, help="sekv window_growth of the spanifying engine")
     parser.add_argument("--out", type=Path, default=RESULTS / "long_output_cpu.json")
     args = parser.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    model = worker_or_model(args.worker, worker)
+    if model is None:
         return 0
-    from sekv_vllm.entrypoints.default_model import prepare_default_model
-
-    model = str(prepare_default_model())
-    result = {"command": "python -m benchmarks.perf.long_output " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line("benchmarks.perf.long_output", argv),
               "model": Path(model).name, "length": args.length, "requests": args.requests,
               "decode_tokens": args.decode_tokens, "budget_ratio": args.budget, "window_growth": args.growth,
               "cores": os.cpu_count()}

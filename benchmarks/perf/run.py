@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engine import make_llm, run_in_subprocess
+from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCHES = (1, 8)
@@ -131,12 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1000, 2000, 4000, 8000])
     add_engine_args(parser, decode_tokens=32, out=RESULTS / "perf_cpu.json")
     args = parser.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))))
+    model = worker_or_model(args.worker, worker)
+    if model is None:
         return 0
-    from sekv_vllm.entrypoints.default_model import prepare_default_model
-
-    model = str(prepare_default_model())
     rows = []
     for n in args.lengths:
         row = {"length": n}
@@ -149,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n} tokens, {backend}: {json.dumps(row[backend])} ({time.time() - t0:.0f} s)", flush=True)
         row["ratio_sekv_to_stock"] = ratios(row["vllm"], row["sekv"])
         rows.append(row)
-    result = {"command": "python -m benchmarks.perf.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line("benchmarks.perf.run", argv),
               "model": Path(model).name, "budget_ratio": args.budget, "decode_tokens": args.decode_tokens,
               "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -395,9 +395,10 @@ class SeKVRuntime:
         if layout.num_spans == 0:
             mem.window_row, mem.window_pos = r0 + n, stop
             return None
+        rows = {name: mem.rows[name].view() for name in self.layer_names}
         merged, fast_bytes, added_bytes = {}, 0, 0
         for i, name in enumerate(self.layer_names):
-            k, v = mem.rows[name].view()
+            k, v = rows[name]
             memory = self.pool.load(req_id, name)
             part = compress_layer(k[r0 : r0 + n], v[r0 : r0 + n], layout, surprisal, cfg.r_max,
                                   0 if mem.zoom_all else cfg.score_centroids, cfg.score_bits,
@@ -420,8 +421,7 @@ class SeKVRuntime:
                     mem.key_features[name] = feats
                     fast_bytes += (feats.numel() - (old.numel() if old is not None else 0)) * feats.element_size()
         keep = torch.cat([torch.arange(r0), r0 + layout.fixed_pos, torch.arange(r0 + n, mem.rows[self.layer_names[0]].length)])
-        for name in self.layer_names:
-            k, v = mem.rows[name].view()
+        for name, (k, v) in rows.items():
             mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], OWN_BLOCK, spare=cfg.window_growth + 1)
         # The budget grows with the compressed text at the request's ratio; what its new anchors and
         # summaries do not take goes to zoomed spans.
@@ -479,9 +479,14 @@ class SeKVRuntime:
         if rows.own or rows.length + n <= rows.capacity:
             return
         logger.warning("sekv: %s: its engine pages are full; its rows move to sekv's own memory", mem.req_id)
-        for name, r in mem.rows.items():
-            if not r.own:
-                mem.rows[name] = PagedRows.of_rows(*r.view(), OWN_BLOCK, spare=self.config.window_growth + n)
+        self._rows_to_own_pages(mem, spare=self.config.window_growth + n)
+
+    @staticmethod
+    def _rows_to_own_pages(mem: RequestMemory, spare: int) -> None:
+        """Copy a request's rows out of the engine's pages into pages of its own (room for `spare` more)."""
+        for name, rows in mem.rows.items():
+            if not rows.own:
+                mem.rows[name] = PagedRows.of_rows(*rows.view(), OWN_BLOCK, spare=spare)
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
         mem.status, mem.reason, mem.rows, mem.captured = Status.FULL_KV, reason, {}, {}
@@ -631,9 +636,7 @@ class SeKVRuntime:
         if mem.suspended:
             return
         mem.suspended = True
-        for name, rows in mem.rows.items():
-            if not rows.own:
-                mem.rows[name] = PagedRows.of_rows(*rows.view(), OWN_BLOCK, spare=self.config.window_growth)
+        self._rows_to_own_pages(mem, spare=self.config.window_growth)
         logger.info("sekv: %s preempted; its compressed state (%d host-pool bytes) is kept for its recompute",
                     req_id, self.pool.owner_bytes(req_id))
 

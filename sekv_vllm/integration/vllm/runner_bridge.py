@@ -168,6 +168,7 @@ class RunnerBridge:
         logits is sampled by now; this step's logits (one row per request, batch order) predict the next."""
         req_ids = self.runner.input_batch.req_ids
         growth = self.runtime.config.window_growth
+        one_row_each = logits is not None and logits.shape[0] == len(req_ids)
         rows, pending = [], []
         for i, req_id in enumerate(req_ids):
             req = self.runner.requests.get(req_id)
@@ -181,7 +182,7 @@ class RunnerBridge:
                 if 0 <= j < len(req.output_token_ids) and req.output_token_ids[j] >= 0:
                     value = lse - row[req.output_token_ids[j]]
                     self.runtime.record_surprisal(req_id, torch.tensor([position]), value[None])
-            if logits is not None and logits.shape[0] == len(req_ids):
+            if one_row_each:
                 rows.append(i)
                 pending.append((req_id, req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
         if rows:
