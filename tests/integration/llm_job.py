@@ -3,7 +3,9 @@ so that stock vLLM (plugins off) and sekv each get a clean process.
 
     python llm_job.py SPEC.json   ->  {"outputs": [...], "figures": [...], "errors": [...]}
 SPEC: {"plugins": bool, "additional_config": {...} | null, "max_model_len": int,
-       "requests": [{"prompt": str, "max_tokens": int, "extra_args": {...} | null}],
+       "max_num_batched_tokens": int | null (vLLM's prefill chunk),
+       "requests": [{"prompt": str, "max_tokens": int, "extra_args": {...} | null,
+                     "temperature": float (0), "seed": int | null}],
        "bad_requests": [{"prompt": str, "extra_args": {...}}]}
 """
 import json
@@ -21,6 +23,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kwargs = {"additional_config": spec["additional_config"]} if spec.get("additional_config") else {}
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 4096),
               enable_prefix_caching=False, **kwargs)
     tok = llm.get_tokenizer()
@@ -36,8 +40,8 @@ def main() -> None:
         except Exception as err:  # vLLM raises VLLMValidationError
             errors.append(f"{type(err).__name__}: {err}")
     reqs = spec["requests"]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 24), extra_args=r.get("extra_args"))
-              for r in reqs]
+    params = [SamplingParams(temperature=r.get("temperature", 0.0), seed=r.get("seed"), max_tokens=r.get("max_tokens", 24),
+                             extra_args=r.get("extra_args")) for r in reqs]
     outputs = llm.generate([chat(r["prompt"]) for r in reqs], params)
     figures, mixed_steps = [], None
     if spec.get("plugins", True):

@@ -9,12 +9,21 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
 4. `GPUModelRunner.execute_model` (the CPU runner inherits it): the runner bridge's step hooks.
 5. `GPUModelRunner.get_kv_cache_spec`: sekv's layers get SeKVAttentionSpec, whose manager
    returns a compressed request's prompt pages to the pool (kv_pages.py).
+6. `Scheduler._preempt_request`: marks the request as preempted while its pages are freed.
+7. `GPUModelRunner.sample_tokens` (active whenever the plugin is installed, sekv or not): seeded
+   sampling with a chunked prompt on CPU. vLLM rewinds the seeded generator of a request whose
+   sample it discards (a partial prefill chunk) by a Philox offset, which torch's CPU generator
+   does not have: `RuntimeError: CPU Generator does not use offset` kills the engine. Such a
+   row draws from the default generator instead, so the request's own stream advances only for
+   the tokens it keeps, which is what the rewind is for.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+
+import numpy as np
 
 from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
 
@@ -199,9 +208,35 @@ def _install_runner_hook() -> None:
 
         return _preempt_request
 
+    def make_sample_tokens(original):
+        def sample_tokens(self, *args, **kwargs):
+            hidden = _hide_discarded_cpu_generators(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.input_batch.generators.update(hidden)
+
+        return sample_tokens
+
     _wrap(GPUModelRunner, "execute_model", make_execute_model)
+    _wrap(GPUModelRunner, "sample_tokens", make_sample_tokens)
     _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
     _wrap(Scheduler, "_preempt_request", make_preempt_request)
+
+
+def _hide_discarded_cpu_generators(runner) -> dict:
+    """Take the CPU generators of the rows whose samples this step discards (partial prefill chunks)
+    out of the batch's generator map, which the sampler reads; returns them to be put back."""
+    if runner.execute_model_state is None:
+        return {}
+    num_reqs = runner.input_batch.num_reqs
+    generators = runner.input_batch.generators
+    hidden = {}
+    for i in np.nonzero(runner.discard_request_mask.np[:num_reqs])[0].tolist():
+        generator = generators.get(i)
+        if generator is not None and generator.device.type == "cpu":
+            hidden[i] = generators.pop(i)
+    return hidden
 
 
 def install() -> None:
