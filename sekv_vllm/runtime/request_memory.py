@@ -645,10 +645,17 @@ class SeKVRuntime:
 
     def release(self, req_id: str, *, outcome: str) -> dict | None:
         """Free both tiers of a request; returns its figures if it was compressed."""
-        figures = self.figures(req_id) if req_id in self.requests else {}
+        try:
+            figures = self.figures(req_id) if req_id in self.requests else {}
+        except Exception:  # a request whose state broke (it failed) still frees both tiers
+            logger.exception("sekv: %s: its figures could not be read", req_id)
+            figures = {}
         self.requests.pop(req_id, None)
         self._batch_cache = {n: b for n, b in self._batch_cache.items() if req_id not in b.req_ids}
         self.pool.release(req_id)
+        if not self.requests:
+            logger.info("sekv: no request held; host pool %d of %d bytes in use",
+                        self.pool.used_bytes, self.pool.capacity_bytes)
         if not figures:
             return None
         figures["outcome"] = outcome

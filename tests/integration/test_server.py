@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -37,14 +38,13 @@ def serve_cmd(model_dir: str, *extra: str) -> list[str]:
             "--enforce-eager", "--host", "127.0.0.1", *extra]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def start_server(cmd: list[str], tmp_path_factory, env: dict | None = None):
+    """Start a server on a free port; yields (base url, log path) once healthy, stops it after."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(serve_cmd(model_dir, "--port", str(port), "--kv-cache-backend", "sekv",
-                                      "--sekv-config", '{"budget_ratio": 0.3}'),
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **SERVER_ENV, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -67,6 +67,12 @@ def server(model_dir, tmp_path_factory):
         proc.kill()
 
 
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    yield from start_server(serve_cmd(model_dir, "--kv-cache-backend", "sekv", "--sekv-config", '{"budget_ratio": 0.3}'),
+                            tmp_path_factory)
+
+
 def chat(base: str, model_dir: str, text: str, **extra) -> tuple[int, dict]:
     body = {"model": model_dir, "messages": [{"role": "user", "content": text}], "max_tokens": 24,
             "temperature": 0, **extra}
@@ -82,7 +88,10 @@ def test_chat_completion_with_a_compressed_prompt(server, model_dir, count_token
     deadline = time.time() + 10
     while "sekv: compressed" not in log_path.read_text() and time.time() < deadline:
         time.sleep(0.5)
-    assert "sekv: compressed" in log_path.read_text()
+    log = log_path.read_text()
+    assert "sekv: compressed" in log
+    # the worker runs in the scheduler's process, so the server's pool gets the pages back too
+    assert "pages to vLLM's pool" in log, log[-3000:]
 
 
 def test_bad_request_setting_is_http_400_and_others_are_unaffected(server, model_dir):
@@ -116,3 +125,38 @@ def test_router_weights_of_another_model_are_refused_at_start_up(model_dir, tmp_
     assert proc.returncode != 0
     assert ("sekv.router_weights: " in proc.stderr and "4 layers, 8 heads" in proc.stderr
             and "30 layers, 9 heads, 3 KV heads, head_dim 64" in proc.stderr), proc.stderr[-3000:]
+
+
+FAULT = """
+from sekv_vllm.runtime import SeKVRuntime
+
+
+def spanify_window(self, req_id):
+    raise RuntimeError("injected fault in spanify_window")
+
+
+SeKVRuntime.spanify_window = spanify_window
+"""
+
+
+def test_a_request_that_fails_inside_sekv_is_http_500_naming_the_cause_and_others_are_served(
+        model_dir, count_tokens, tmp_path_factory):
+    # Every process of the server (the engine core is spawned) imports this first: spanification always raises.
+    fault = tmp_path_factory.mktemp("fault")
+    (fault / "sitecustomize.py").write_text(FAULT)
+    cmd = serve_cmd(model_dir, "--kv-cache-backend", "sekv", "--sekv-config", '{"window_growth": 8, "min_prompt_tokens": 256}')
+    servers = start_server(cmd, tmp_path_factory, env={"PYTHONPATH": str(fault)})
+    base, _ = next(servers)
+    try:
+        long_prompt = make_sample("needle", 1500, 0.5, 5, count_tokens).prompt
+        with ThreadPoolExecutor(2) as pool:
+            failing = pool.submit(chat, base, model_dir, long_prompt, max_tokens=40, ignore_eos=True)
+            served = pool.submit(chat, base, model_dir, "What is the capital of France?")
+            (status, body), (ok_status, ok_body) = failing.result(), served.result()
+        assert status == 500, body
+        assert "sekv: output spanification failed: RuntimeError: injected fault in spanify_window" in json.dumps(body)
+        assert ok_status == 200 and "Paris" in ok_body["choices"][0]["message"]["content"]
+        status, body = chat(base, model_dir, "What is the capital of France?")
+        assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]
+    finally:
+        servers.close()

@@ -41,6 +41,8 @@ class SeKVStepPlan:
     attend_ids:  their request ids
     exact_rows:  [E] int64 token rows left to vLLM's kernel (None: all rows are SeKV's)
     exact:       vLLM metadata for exactly those rows (None: all rows are SeKV's)
+    decode_failed: set by the first layer whose compressed decode raised; those requests have failed,
+                 later layers give their rows zeros
     """
 
     captures: list[tuple[str, int, int, int]]
@@ -48,6 +50,7 @@ class SeKVStepPlan:
     attend_ids: list[str]
     exact_rows: torch.Tensor | None
     exact: CPUAttentionMetadata | None
+    decode_failed: bool = False
 
 
 @dataclass
@@ -79,12 +82,11 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
                 # through vLLM's kernel: only the newest row's output is used.
                 mem = runtime.get(req_id)
                 last = seq_lens[i] - 1
-                if last == mem.next_position:
+                if last == mem.next_position and bridge.sync_pages(req_id):
                     attend_rows.append(qsl[i + 1] - 1)
                     attend_ids.append(req_id)
-                    bridge.sync_pages(req_id)  # the page vLLM allocated for this row, if a new one
-                if n > 1 or last != mem.next_position:
-                    exact_reqs.append(i)
+                if n > 1 or last != mem.next_position or not runtime.is_compressed(req_id):
+                    exact_reqs.append(i)  # a request failed just now runs exact: its output is dropped
                 continue
             if runtime.is_active(req_id):
                 captures.append((req_id, qsl[i], n, seq_lens[i] - n))
@@ -171,13 +173,21 @@ class SeKVAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query[plan.exact_rows], key, value, kv_cache, plan.exact, out_exact,
                             output_scale, output_block_scale)
             output[plan.exact_rows] = out_exact
-        if plan.attend_ids:
+        if plan.attend_ids and not plan.decode_failed:
             rows = plan.attend_rows
             q = query[rows].view(-1, self.num_heads, self.head_size)
             k = key[rows].view(-1, self.num_kv_heads, self.head_size)
             v = value[rows].view(-1, self.num_kv_heads, self.head_size)
             out = output.view(output.shape[0], self.num_heads, self.head_size)
-            out[rows] = runtime.attend_batch(plan.attend_ids, name, q, self.scale, k, v).to(out.dtype)
+            try:
+                out[rows] = runtime.attend_batch(plan.attend_ids, name, q, self.scale, k, v).to(out.dtype)
+            except Exception as err:
+                # One call decodes every compressed request of the step: all of them fail, the rest go on.
+                plan.decode_failed = True
+                for req_id in plan.attend_ids:
+                    current_bridge().request_failed(req_id, "compressed decode", err)
+        if plan.decode_failed:
+            output[plan.attend_rows] = 0
         return output
 
 

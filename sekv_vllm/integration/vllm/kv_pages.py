@@ -62,6 +62,11 @@ def plan_release(req_id: str, ranges: list[PageRange]) -> None:
     _plans[req_id] = list(ranges)
 
 
+def forget_plan(req_id: str) -> None:
+    """Drop the request's page ranges (a failed request: its pages are freed when it finishes)."""
+    _plans.pop(req_id, None)
+
+
 class PageReturningManager(FullAttentionManager):
     """FullAttentionManager that frees the page ranges filed for compressed requests."""
 

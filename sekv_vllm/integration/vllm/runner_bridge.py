@@ -12,11 +12,18 @@ Around each `execute_model` of a runner whose config carries `sekv`:
           Then every compressed request's full-resolution rows move into the pages it keeps
           (vLLM's KV cache of each layer, reinterpreted as [pages, 2, block, Hkv, D]); the metadata
           builder hands it each page vLLM allocates later (`sync_pages`).
+
+An exception in sekv's work for one request (admission, surprisal, compression, spanification,
+placement) is that request's alone: a request whose pages are all still in vLLM's pool goes on at
+full KV (logged); a compressed one, whose pages went back, is failed (request_failures.py: HTTP 500
+naming the cause); its sekv state is freed either way, and the other requests go on.
 """
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +31,7 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.integration.vllm import kv_pages
+from sekv_vllm.integration.vllm import kv_pages, request_failures
 from sekv_vllm.integration.vllm.kv_pages import PageRange
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
@@ -40,6 +47,8 @@ _current: "RunnerBridge | None" = None
 _LOGIT_CHUNK = 256
 # `_placed` of a request whose rows did not fit its kept pages (logged once; tried again after a spanification).
 _DID_NOT_FIT = -1
+# Failed steps in a row after which the engine is taken to be broken, not one request: the step guard re-raises.
+MAX_FAILED_STEPS = 3
 
 
 def current_bridge() -> "RunnerBridge | None":
@@ -69,6 +78,9 @@ class RunnerBridge:
         self._kv_pages: dict[str, torch.Tensor] | None = None
         # Evidence of continuous batching: steps where a prefill chunk ran beside compressed decodes.
         self.steps_mixing_prefill_and_compressed_decode = 0
+        # Requests that keep full KV after sekv's work for them failed (never admitted again).
+        self._full_kv_after_error: set[str] = set()
+        self._failed_steps_in_a_row = 0
 
     # -- step hooks ----------------------------------------------------------------------
     def before_step(self, scheduler_output: "SchedulerOutput") -> None:
@@ -79,28 +91,37 @@ class RunnerBridge:
         for req_id in scheduler_output.preempted_req_ids or ():
             self._on_pages_freed(req_id, preempted=True)
         for new in scheduler_output.scheduled_new_reqs:
-            if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
-                self.runtime.release(new.req_id, outcome="restarted")
-            extra = new.sampling_params.extra_args if new.sampling_params else None
-            self.runtime.admit(new.req_id, len(new.prompt_token_ids or ()), extra)
+            with self._request_work(new.req_id, "admission"):
+                if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
+                    self.runtime.release(new.req_id, outcome="restarted")
+                extra = new.sampling_params.extra_args if new.sampling_params else None
+                self._admit(new.req_id, len(new.prompt_token_ids or ()), extra)
         # A preempted request comes back as a cached one and recomputes its prompt and output.
         # Compressed before: its kept state serves it again (the metadata builder answers only
         # the recompute's newest row) and its prompt pages go back once more. Else it is
         # admitted again and compressed when its prompt is complete.
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-            mem = self.runtime.get(req_id)
-            if mem is not None and mem.suspended:
-                self.runtime.resume(req_id)
-                if req_id in self._page_plans:
-                    kv_pages.plan_release(req_id, self._page_plans[req_id])
-                continue
-            state = self.runner.requests.get(req_id)
-            if state is None:
-                continue
-            if mem is not None:
-                self.runtime.release(req_id, outcome="restarted")
-            extra = state.sampling_params.extra_args if state.sampling_params else None
-            self.runtime.admit(req_id, len(state.prompt_token_ids or ()), extra)
+            with self._request_work(req_id, "resumption"):
+                self._resume(req_id)
+
+    def _resume(self, req_id: str) -> None:
+        mem = self.runtime.get(req_id)
+        if mem is not None and mem.suspended:
+            self.runtime.resume(req_id)
+            if req_id in self._page_plans:
+                kv_pages.plan_release(req_id, self._page_plans[req_id])
+            return
+        state = self.runner.requests.get(req_id)
+        if state is None:
+            return
+        if mem is not None:
+            self.runtime.release(req_id, outcome="restarted")
+        extra = state.sampling_params.extra_args if state.sampling_params else None
+        self._admit(req_id, len(state.prompt_token_ids or ()), extra)
+
+    def _admit(self, req_id: str, prompt_len: int, extra: dict | None) -> None:
+        if req_id not in self._full_kv_after_error:
+            self.runtime.admit(req_id, prompt_len, extra)
 
     def after_step(self, scheduler_output: "SchedulerOutput") -> None:
         state = self.runner.execute_model_state
@@ -115,14 +136,16 @@ class RunnerBridge:
             req = self.runner.requests[req_id]
             start = req.num_computed_tokens  # before this step
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
-            if start + n >= mem.prompt_len:
-                self._compress(req_id)
+            with self._request_work(req_id, "compression"):
+                self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
+                if start + n >= mem.prompt_len:
+                    self._compress(req_id)
         if self.runtime.config.window_growth:
             self._record_output_surprisal(scheduler_output, state.logits)
             for req_id in list(self.runtime.requests):
-                if self.runtime.window_due(req_id):
-                    self._spanify(req_id)
+                with self._request_work(req_id, "output spanification"):
+                    if self.runtime.window_due(req_id):
+                        self._spanify(req_id)
         for req_id in self.runner.input_batch.req_ids:
             mem = self.runtime.get(req_id)
             if (mem is None or mem.status is not Status.COMPRESSED or mem.suspended
@@ -130,21 +153,63 @@ class RunnerBridge:
                     or self.runner.requests[req_id].num_computed_tokens
                     + scheduler_output.num_scheduled_tokens.get(req_id, 0) < mem.next_position):
                 continue  # not compressed, placed (or tried), or not computed up to its newest row (a recompute)
-            self._place_rows(req_id)
+            with self._request_work(req_id, "row placement"):
+                self._place_rows(req_id)
+
+    # -- failures ------------------------------------------------------------------------------
+    @contextmanager
+    def _request_work(self, req_id: str, what: str) -> Iterator[None]:
+        """sekv's work for one request: an exception in it is that request's alone."""
+        try:
+            yield
+        except Exception as err:
+            self.request_failed(req_id, what, err)
+
+    def request_failed(self, req_id: str, what: str, err: Exception) -> None:
+        """Free the request's sekv state; it goes on at full KV while all its pages are still in vLLM's
+        pool (not compressed yet), else it is failed with the cause."""
+        cause = f"{what} failed: {type(err).__name__}: {err}"
+        compressed = self.runtime.is_compressed(req_id) or req_id in self._page_plans
+        self.drop(req_id)
+        if compressed:
+            logger.exception("sekv: request %s: %s; its pages went back to the pool, so it fails", req_id, cause)
+            request_failures.fail(req_id, cause)
+        else:
+            logger.exception("sekv: request %s: %s; it keeps full KV", req_id, cause)
+            self._full_kv_after_error.add(req_id)
+
+    def drop(self, req_id: str) -> None:
+        """Free everything sekv holds for a request (both tiers, page plans), whatever its state."""
+        self._page_plans.pop(req_id, None)
+        self._pending_logits.pop(req_id, None)
+        self._placed.pop(req_id, None)
+        kv_pages.forget_plan(req_id)
+        self.runtime.release(req_id, outcome="failed")
+
+    def step_failed(self) -> bool:
+        """Count a step that raised; False once `MAX_FAILED_STEPS` failed in a row (the engine is broken)."""
+        self._failed_steps_in_a_row += 1
+        return self._failed_steps_in_a_row < MAX_FAILED_STEPS
+
+    def step_succeeded(self) -> None:
+        self._failed_steps_in_a_row = 0
 
     # -- batch facts for the metadata builder ----------------------------------------------
     def batch_req_ids(self, num_reqs: int) -> list[str]:
         return self.runner.input_batch.req_ids[:num_reqs]
 
-    def sync_pages(self, req_id: str) -> None:
-        """Hand a compressed request's pages allocated since it was placed to its rows."""
+    def sync_pages(self, req_id: str) -> bool:
+        """Hand a compressed request's pages allocated since it was placed to its rows; False if that
+        failed (the request has failed then)."""
         have = self._placed.get(req_id)
         if have is None or have == _DID_NOT_FIT or not self.runtime.rows_in_engine_pages(req_id):
-            return
+            return True
         block_ids = self.runner.requests[req_id].block_ids[0]
         if len(block_ids) > have:
-            self.runtime.add_pages(req_id, torch.tensor(block_ids[have:], dtype=torch.int64))
-            self._placed[req_id] = len(block_ids)
+            with self._request_work(req_id, "page hand-over"):
+                self.runtime.add_pages(req_id, torch.tensor(block_ids[have:], dtype=torch.int64))
+                self._placed[req_id] = len(block_ids)
+        return self.runtime.is_compressed(req_id)
 
     def has_active(self) -> bool:
         """Whether any request of this worker needs SeKV (prefilling or compressed)."""
@@ -152,6 +217,8 @@ class RunnerBridge:
 
     # -- internals ---------------------------------------------------------------------------
     def _on_pages_freed(self, req_id: str, preempted: bool) -> None:
+        if not preempted:
+            self._full_kv_after_error.discard(req_id)
         mem = self.runtime.get(req_id)
         if mem is None:
             return

@@ -6,7 +6,9 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
 2. `EngineArgs.from_cli_args`: turns those flags into `additional_config["sekv"]`.
 3. `EngineArgs.create_engine_config`: validates the sekv settings once, at start-up, and
    applies what they imply (prefix caching off: compressed requests share no pages yet).
-4. `GPUModelRunner.execute_model` (the CPU runner inherits it): the runner bridge's step hooks.
+4. `GPUModelRunner.execute_model` (the CPU runner inherits it): the runner bridge's step hooks,
+   and the step guard: an exception in a step fails the requests of that step (their cause
+   filed in request_failures.py) instead of the engine; `sample_tokens` is guarded the same way.
 5. `GPUModelRunner.get_kv_cache_spec`: sekv's layers get SeKVAttentionSpec, whose manager
    returns a compressed request's prompt pages to the pool (kv_pages.py).
 6. `Scheduler._preempt_request`: marks the request as preempted while its pages are freed.
@@ -16,6 +18,10 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
    does not have: `RuntimeError: CPU Generator does not use offset` kills the engine. Such a
    row draws from the default generator instead, so the request's own stream advances only for
    the tokens it keeps, which is what the rewind is for.
+8. `Scheduler.update_from_output`: finishes the requests filed as failed with an error, before
+   their output of the step is read (their pages are freed as for any finished request).
+9. `OutputProcessor.process_outputs` and `GenerateBaseServing._raise_if_error` (front end): the HTTP 500
+   of a failed request names its cause.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import logging
 import numpy as np
 
 from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
+from sekv_vllm.integration.vllm import request_failures
 
 logger = logging.getLogger("sekv_vllm")
 
@@ -114,10 +121,14 @@ def _install_cli() -> None:
                 if self.enable_prefix_caching is not False:
                     logger.info("sekv: prefix caching switched off (compressed requests do not share pages)")
                 self.enable_prefix_caching = False
+                _check_one_worker(self)
                 # Normalised and validated: every process reads the same full settings.
                 self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
             vllm_config = original(self, *args, **kwargs)
             if config is not None:
+                # vLLM's CPU platform turns 'uni' into 'mp' (a worker process of its own) when the engine
+                # core runs in a process of its own, as in the server.
+                vllm_config.parallel_config.distributed_executor_backend = "uni"
                 _check_kernel_dtype(config, vllm_config)
                 _settle_policy(config, vllm_config)
             return vllm_config
@@ -127,6 +138,18 @@ def _install_cli() -> None:
     _wrap(EngineArgs, "add_cli_args", make_add_cli_args)
     _wrap(EngineArgs, "from_cli_args", make_from_cli_args)
     _wrap(EngineArgs, "create_engine_config", make_create_engine_config)
+
+
+def _check_one_worker(engine_args) -> None:
+    """The worker must run in the scheduler's process (the `uni` executor): the page plans
+    (kv_pages.py) and the failed requests (request_failures.py) go from the one to the other in
+    memory. In a worker process of its own (vLLM's server default on CPU) pages never went back."""
+    backend = engine_args.distributed_executor_backend
+    if backend not in (None, "uni"):
+        raise SeKVConfigError(f"distributed_executor_backend: sekv needs 'uni' (one worker in the engine's "
+                              f"process), got {backend!r}")
+    if engine_args.tensor_parallel_size > 1 or engine_args.pipeline_parallel_size > 1:
+        raise SeKVConfigError("tensor_parallel_size, pipeline_parallel_size: sekv runs one worker (1 each) so far")
 
 
 def _check_kernel_dtype(config: SeKVConfig, vllm_config) -> None:
@@ -169,6 +192,8 @@ def _settle_policy(config: SeKVConfig, vllm_config) -> None:
 
 def _install_runner_hook() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from sekv_vllm.integration.vllm.runner_bridge import bridge_for
@@ -178,9 +203,13 @@ def _install_runner_hook() -> None:
             bridge = bridge_for(self)
             if bridge is None:
                 return original(self, scheduler_output, *args, **kwargs)
-            bridge.before_step(scheduler_output)
-            result = original(self, scheduler_output, *args, **kwargs)
-            bridge.after_step(scheduler_output)
+            try:
+                bridge.before_step(scheduler_output)
+                result = original(self, scheduler_output, *args, **kwargs)
+                bridge.after_step(scheduler_output)
+            except Exception as err:
+                return _fail_step(self, bridge, scheduler_output, "model step", err)
+            bridge.step_succeeded()
             return result
 
         return execute_model
@@ -210,18 +239,93 @@ def _install_runner_hook() -> None:
 
     def make_sample_tokens(original):
         def sample_tokens(self, *args, **kwargs):
+            state = self.execute_model_state
             hidden = _hide_discarded_cpu_generators(self)
             try:
                 return original(self, *args, **kwargs)
+            except Exception as err:
+                bridge = bridge_for(self)
+                if bridge is None or state is None:
+                    raise
+                return _fail_step(self, bridge, state.scheduler_output, "sampling", err)
             finally:
                 self.input_batch.generators.update(hidden)
 
         return sample_tokens
 
+    def make_update_from_output(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            failed = {r: c for r, c in request_failures.take().items() if r in self.requests}
+            if not failed:
+                return original(self, scheduler_output, model_runner_output)
+            # Finished first: the step's output of these requests is then skipped, as for an abort.
+            requests = self.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
+            outputs = original(self, scheduler_output, model_runner_output)
+            for request in requests:
+                eco = outputs.setdefault(request.client_index, EngineCoreOutputs())
+                eco.outputs.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                                    finish_reason=request.get_finished_reason(),
+                                                    stop_reason=failed[request.request_id]))
+            return outputs
+
+        return update_from_output
+
     _wrap(GPUModelRunner, "execute_model", make_execute_model)
     _wrap(GPUModelRunner, "sample_tokens", make_sample_tokens)
     _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
     _wrap(Scheduler, "_preempt_request", make_preempt_request)
+    _wrap(Scheduler, "update_from_output", make_update_from_output)
+
+
+def _fail_step(runner, bridge, scheduler_output, what: str, err: Exception):
+    """Fail every request of a step that raised (one forward runs the whole batch: the exception
+    cannot be pinned on one request) and go on with an empty output; the bridge gives up, and the
+    engine stops as vLLM's would, after `MAX_FAILED_STEPS` failed steps in a row."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if not bridge.step_failed():
+        raise err
+    cause = f"{what} failed: {type(err).__name__}: {err}"
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    logger.exception("sekv: %s; failing the %d requests of this step: %s", cause, len(req_ids), req_ids)
+    runner.execute_model_state = None
+    for req_id in req_ids:
+        bridge.drop(req_id)
+        request_failures.fail(req_id, cause)
+    return EMPTY_MODEL_RUNNER_OUTPUT
+
+
+def _install_error_causes() -> None:
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing, GenerationError
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    def make_process_outputs(original):
+        def process_outputs(self, engine_core_outputs, *args, **kwargs):
+            for eco in engine_core_outputs:
+                cause = eco.stop_reason
+                if (eco.finish_reason == FinishReason.ERROR and isinstance(cause, str)
+                        and cause.startswith(request_failures.CAUSE_PREFIX)):
+                    state = self.request_states.get(eco.request_id)
+                    if state is not None:
+                        parent = getattr(state, "parent_req", None)
+                        request_failures.remember_cause((parent or state).external_req_id, cause)
+            return original(self, engine_core_outputs, *args, **kwargs)
+
+        return process_outputs
+
+    def make_raise_if_error(original):
+        def _raise_if_error(self, finish_reason, request_id):
+            cause = request_failures.pop_cause(request_id) if finish_reason == "error" else None
+            if cause is not None:
+                logger.error("sekv: request %s failed: %s", request_id, cause)
+                raise GenerationError(f"Internal server error: {cause}")
+            return original(self, finish_reason, request_id)
+
+        return _raise_if_error
+
+    _wrap(OutputProcessor, "process_outputs", make_process_outputs)
+    _wrap(GenerateBaseServing, "_raise_if_error", make_raise_if_error)
 
 
 def _hide_discarded_cpu_generators(runner) -> dict:
@@ -242,3 +346,4 @@ def _hide_discarded_cpu_generators(runner) -> dict:
 def install() -> None:
     _install_cli()
     _install_runner_hook()
+    _install_error_causes()
