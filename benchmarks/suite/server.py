@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,13 +48,14 @@ def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int,
 class Server:
     """`sekv-vllm serve` in a subprocess on a free loopback port; stops on exit."""
 
-    def __init__(self, model: str, sekv: dict | None, max_model_len: int, log_path: Path):
+    def __init__(self, model: str, sekv: dict | None, max_model_len: int, log_path: Path,
+                 env: dict[str, str] | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sekv_vllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--max-model-len", str(max_model_len), "--enforce-eager",
                "--no-enable-prefix-caching"]
-        env = {**os.environ, **ENGINE_ENV}
+        env = {**os.environ, **ENGINE_ENV, **(env or {})}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as usual
         if sekv is None:
             env["VLLM_PLUGINS"] = STOCK_PLUGINS
@@ -61,7 +63,8 @@ class Server:
             cmd += ["--kv-cache-backend", "sekv", "--sekv-config", json.dumps(sekv)]
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # a session of its own: stopping it stops the engine core and any worker with it
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def __enter__(self) -> "Server":
         deadline = time.time() + START_TIMEOUT_S
@@ -78,11 +81,15 @@ class Server:
         raise RuntimeError(f"server did not become healthy in {START_TIMEOUT_S} s; log: {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+        except ProcessLookupError:
+            pass
         self._log.close()
 
 

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server started with `--kv-cache-backend sekv`."""
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,8 +45,9 @@ def start_server(cmd: list[str], tmp_path_factory, env: dict | None = None):
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
+    # a session of its own: stopping it stops the engine core and any worker with it
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **SERVER_ENV, **(env or {})})
+                            env={**os.environ, **SERVER_ENV, **(env or {})}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -57,14 +60,18 @@ def start_server(cmd: list[str], tmp_path_factory, env: dict | None = None):
         except OSError:
             time.sleep(2)
     else:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("server did not become healthy in 300 s")
-    yield base, log_path
-    proc.terminate()
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield base, log_path
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
 
 
 @pytest.fixture(scope="module")
