@@ -106,18 +106,17 @@ def _request(i: int, kind: str, model: str, prompts: PromptMaker, rng: random.Ra
     if kind == "long_output":
         return LoadRequest(i, kind, chat_path, {**chat, "max_tokens": LONG_OUTPUT_TOKENS, "ignore_eos": True,
                                                 "stream": True}, stream=True, prompt_tokens=n, expect=ok)
-    if kind == "budget":  # stock vLLM takes vllm_xargs it does not know and ignores them
+    if kind == "budget":  # stock vLLM checks them (sekv's request check) and ignores them
         xargs = rng.choice(({"sekv_budget_ratio": 0.5}, {"sekv_token_budget": 600}, {"sekv_compress": 0}))
         return LoadRequest(i, kind, chat_path, {**chat, "vllm_xargs": xargs}, prompt_tokens=n, expect=ok)
     if kind == "disconnect":
         return LoadRequest(i, kind, chat_path, {**chat, "stream": True, "max_tokens": 200, "ignore_eos": True},
                            stream=True, drop_after_chunks=rng.randint(2, 8), prompt_tokens=n,
                            expect={"sekv": "dropped", "stock": "dropped"})
-    if kind == "bad_sekv_value":  # sekv refuses them; stock vLLM does not know them and serves the request
-        xargs = rng.choice(({"sekv_budget_ratio": 2}, {"sekv_budgett": 100}, {"sekv_token_budget": -5}))
-        return LoadRequest(i, kind, chat_path, {**chat, "vllm_xargs": xargs}, prompt_tokens=n,
-                           expect={"sekv": "refused", "stock": "ok"})
     refused = {"sekv": "refused", "stock": "refused"}
+    if kind == "bad_sekv_value":  # refused by sekv's request check, which vLLM loads as a logits processor, plugins off too
+        xargs = rng.choice(({"sekv_budget_ratio": 2}, {"sekv_budgett": 100}, {"sekv_token_budget": -5}))
+        return LoadRequest(i, kind, chat_path, {**chat, "vllm_xargs": xargs}, prompt_tokens=n, expect=refused)
     if kind == "bad_openai_value":
         bad = rng.choice(({"temperature": -1}, {"max_tokens": -5}, {"n": 0}, {"top_p": 2}))
         return LoadRequest(i, kind, chat_path, {**chat, **bad}, prompt_tokens=n, expect=refused)

@@ -41,6 +41,7 @@ def test_create_engine_config_validates_and_turns_prefix_caching_off(engine_args
     good = engine_args_cls(model=model_dir, dtype="float32", additional_config={"sekv": {}})
     config = good.create_engine_config()
     assert config.cache_config.enable_prefix_caching is False
+    assert config.parallel_config.distributed_executor_backend == "uni"  # the worker in the scheduler's process
     assert config.additional_config["sekv"]["budget_ratio"] == 0.25  # normalised: every process sees all fields
 
 
@@ -62,3 +63,11 @@ def test_the_cpp_decode_kernel_with_a_non_float32_cache_is_refused_at_start_up(e
         args.create_engine_config()
     ok = engine_args_cls(model=model_dir, dtype="float32", additional_config={"sekv": {"decode_kernel": "cpp"}})
     assert ok.create_engine_config().additional_config["sekv"]["decode_kernel"] == "cpp"
+
+
+def test_a_worker_in_another_process_is_refused_with_sekv(engine_args_cls, model_dir):
+    from sekv_vllm.config import SeKVConfigError
+
+    args = engine_args_cls(model=model_dir, additional_config={"sekv": {}}, distributed_executor_backend="mp")
+    with pytest.raises(SeKVConfigError, match="distributed_executor_backend: sekv needs 'uni'"):
+        args.create_engine_config()
