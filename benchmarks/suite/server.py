@@ -8,6 +8,7 @@ appended per chunk of samples, so an interrupted run resumes from the last finis
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,15 +82,12 @@ class Server:
         raise RuntimeError(f"server did not become healthy in {START_TIMEOUT_S} s; log: {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(ProcessLookupError):  # a server that died has no group left
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
-        except ProcessLookupError:
-            pass
         self._log.close()
 
 

@@ -65,7 +65,8 @@ def start_server(cmd: list[str], tmp_path_factory, env: dict | None = None):
     try:
         yield base, log_path
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
