@@ -1,10 +1,11 @@
 """The server-load table in the README, from benchmarks/results/server_load_cpu.json.
 
-    python -m benchmarks.serve.report
+    python -m benchmarks.serve.report [RESULTS_JSON]    # default: benchmarks/results/server_load_cpu.json
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from benchmarks.readme import table_head, write_block
@@ -21,7 +22,7 @@ def table(result: dict) -> str:
     lines = [f"Command: `{result['command'].strip()}` (commit {result['commit']}, {result['date']}; "
              f"{load['requests']} requests, {load['concurrency']} in flight, KV pool {load['pool_gib']} GiB, "
              f"max_model_len {load['max_model_len']}, sekv {json.dumps(load['sekv_config'])}). "
-             "Source: `benchmarks/results/server_load_cpu.json`; plot `server_load.png`.", ""]
+             f"Source: `benchmarks/results/{result['source']}`.", ""]
     lines += table_head(["", "served", "hung up (freed)", "bad refused", "valid failed", "engine died",
                          "healthy after", "same reference text", "pages not returned", "host-pool bytes not returned",
                          "TTFT p50 / p90 s", "TPOT p50 / p90 s", "end to end p50 / p90 s", "wall s"])
@@ -39,4 +40,5 @@ def table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(write_block("server-load", table(json.loads((RESULTS / "server_load_cpu.json").read_text()))))
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS / "server_load_cpu.json"
+    print(write_block("server-load", table({**json.loads(path.read_text()), "source": path.name})))
