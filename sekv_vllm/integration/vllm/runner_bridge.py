@@ -178,13 +178,13 @@ class RunnerBridge:
             logger.exception("sekv: request %s: %s; it keeps full KV", req_id, cause)
             self._full_kv_after_error.add(req_id)
 
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: str, outcome: str = "failed") -> None:
         """Free everything sekv holds for a request (both tiers, page plans), whatever its state."""
         self._page_plans.pop(req_id, None)
         self._pending_logits.pop(req_id, None)
         self._placed.pop(req_id, None)
         kv_pages.forget_plan(req_id)
-        self.runtime.release(req_id, outcome="failed")
+        self.runtime.release(req_id, outcome=outcome)
 
     def step_failed(self) -> bool:
         """Count a step that raised; False once `MAX_FAILED_STEPS` failed in a row (the engine is broken)."""
@@ -222,13 +222,11 @@ class RunnerBridge:
         mem = self.runtime.get(req_id)
         if mem is None:
             return
-        self._placed.pop(req_id, None)  # preempted: its rows are copied out of the pages freed now
         if preempted and mem.status is Status.COMPRESSED:
+            self._placed.pop(req_id, None)  # its rows are copied out of the pages freed now
             self.runtime.suspend(req_id)
         else:
-            self._page_plans.pop(req_id, None)
-            self._pending_logits.pop(req_id, None)
-            self.runtime.release(req_id, outcome="preempted" if preempted else "ended")
+            self.drop(req_id, outcome="preempted" if preempted else "ended")
 
     def _record_output_surprisal(self, scheduler_output: "SchedulerOutput", logits: torch.Tensor | None) -> None:
         """Surprisal of compressed requests' output tokens: the token predicted by the previous step's
