@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${SEKV_VENV:-.venv}/bin/activate"
 export TRITON_INTERPRET=1
-exec python -m pytest -q -ra "$@"
+exec python -m pytest -q -ra --durations=25 "$@"

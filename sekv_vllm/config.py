@@ -11,28 +11,48 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sekv_vllm.methods import METHOD_NAMES, ROW_METHODS, SEKV, RowKeepingMethod
+
 ADDITIONAL_CONFIG_KEY = "sekv"
 REQUEST_KEY_PREFIX = "sekv_"
+# Settings every method reads; the other fields of SeKVConfig are SeKV's own.
+COMMON_SETTINGS = frozenset({"method", "method_settings", "budget_ratio", "token_budget", "min_prompt_tokens",
+                             "return_pages", "stats_path"})
 
 
 class SeKVConfigError(ValueError):
     """A configuration value is out of range; the message names the field and what is allowed."""
 
 
+def _a_setting(key: str) -> bool:
+    """Whether `key` is a setting of some method (else pydantic refuses it as unknown)."""
+    return key in SeKVConfig.model_fields or any(key in m.model_fields for m in ROW_METHODS.values())
+
+
 def _describe(err: ValidationError, where: str) -> str:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if not e["loc"]:  # a check of the whole config: its message names the fields
+            lines.append(where + e["msg"].removeprefix("Value error, "))
+            continue
+        field = ".".join(str(p) for p in e["loc"])
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         lines.append(f"{where}{field}: {e['msg']}{got}")
     return "; ".join(lines)
 
 
 class SeKVConfig(BaseModel):
-    """Deployment-wide SeKV settings."""
+    """Deployment-wide settings: the method, its budget, and the method's own settings.
+
+    A row-keeping method's settings are given beside `method` (`{"method": "snapkv",
+    "observation_window": 32}`) and kept in `method_settings`; a setting of another method is refused.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    method: Literal[METHOD_NAMES] = Field(SEKV, description="the KV-cache method of every request that does not "
+                                          "choose one (`sekv_method`)")
+    method_settings: dict[str, Any] = Field(default_factory=dict, description="a row-keeping method's own settings")
     budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="prompt rows attended per decode step, as a fraction of the prompt")
     token_budget: int | None = Field(None, ge=1, description="absolute rows per decode step; overrides budget_ratio")
     min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
@@ -77,11 +97,48 @@ class SeKVConfig(BaseModel):
                                "but for the fast tier's share")
     stats_path: str | None = Field(None, description="append one JSON line of figures per compressed request here")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _settings_of_the_method(cls, raw: Any) -> Any:
+        """A row-keeping method's settings go to `method_settings` (validated by the method); a setting
+        of a method other than the one chosen is refused naming it."""
+        if not isinstance(raw, dict):
+            return raw
+        method = raw.get("method", SEKV)
+        if method not in METHOD_NAMES:
+            return raw  # the Literal names the allowed methods
+        own = set(ROW_METHODS[method].model_fields) if method in ROW_METHODS else set(cls.model_fields)
+        foreign = sorted(k for k in raw if k not in own and k not in COMMON_SETTINGS and _a_setting(k))
+        if foreign:
+            theirs = sorted(own - COMMON_SETTINGS)
+            raise ValueError(f"{', '.join(foreign)}: not a setting of method {method!r}; its settings: {theirs}, "
+                             f"and for every method: {sorted(COMMON_SETTINGS - {'method_settings'})}")
+        if method not in ROW_METHODS:
+            return raw
+        settings = {**raw.get("method_settings", {}), **{k: v for k, v in raw.items() if k in own}}
+        try:
+            ROW_METHODS[method](**settings)
+        except ValidationError as err:
+            raise ValueError(_describe(err, "")) from None
+        rest = {k: v for k, v in raw.items() if k not in own}
+        return {**rest, "method_settings": settings}
+
     @model_validator(mode="after")
     def _spans_longer_than_runs(self) -> "SeKVConfig":
         if self.max_span < 2 * self.l_min:
             raise ValueError(f"max_span ({self.max_span}) must be at least 2 * l_min ({2 * self.l_min})")
         return self
+
+    def normalised(self) -> dict[str, Any]:
+        """Every setting the method reads, defaults included (what every process of the engine reads)."""
+        if self.method not in ROW_METHODS:
+            return self.model_dump()
+        common = self.model_dump(include=COMMON_SETTINGS)
+        return {**common, "method_settings": self.row_method(self.method).model_dump()}
+
+    def row_method(self, name: str) -> RowKeepingMethod:
+        """The row-keeping method `name`, with this deployment's settings if it is the deployment's method."""
+        return ROW_METHODS[name](**(self.method_settings if name == self.method else {}))
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "SeKVConfig | None":
@@ -115,6 +172,8 @@ class RequestOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     sekv_compress: bool = Field(True, description="false keeps this request at full KV")
+    sekv_method: Literal[METHOD_NAMES] | None = Field(None, description="this request's method (default settings "
+                                                      "unless it is the deployment's)")
     sekv_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
     sekv_token_budget: int | None = Field(None, ge=1)
 

@@ -1,4 +1,4 @@
-"""The tree's layers: method code, router, policies, runtime and training import without vLLM."""
+"""The tree's layers: method code (core, methods), router, policies, runtime and training import without vLLM."""
 import subprocess
 import sys
 
@@ -9,7 +9,7 @@ class NoVLLM:
         if name == "vllm" or name.startswith("vllm."):
             raise ImportError("vllm is blocked in this test")
 sys.meta_path.insert(0, NoVLLM())
-import sekv_vllm.core, sekv_vllm.router, sekv_vllm.policies, sekv_vllm.pool, sekv_vllm.runtime, sekv_vllm.config
+import sekv_vllm.core, sekv_vllm.methods, sekv_vllm.router, sekv_vllm.policies, sekv_vllm.pool, sekv_vllm.runtime, sekv_vllm.config
 import sekv_vllm.training.train, sekv_vllm.tasks.ruler
 assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
 print("ok")

@@ -1,7 +1,8 @@
 """What a suite run measures: a validated grid of backends x budgets x tasks x lengths x samples.
 
 Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM with its
-default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`), and
+default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`),
+`sekv:METHOD` (an in-engine row-keeping method, e.g. `sekv:snapkv`: sekv_vllm.methods.ROW_METHODS), and
 `kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
 of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
 budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
@@ -19,7 +20,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from benchmarks.peers.presses import PRESSES
+from sekv_vllm.config import COMMON_SETTINGS
 from sekv_vllm.core.span_keys import QUANT_BITS
+from sekv_vllm.methods import ROW_METHODS
 from sekv_vllm.policies import POLICIES
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
@@ -70,8 +73,10 @@ class Grid(BaseModel):
     @field_validator("backends")
     @classmethod
     def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
-        allowed = ["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
-        unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)]
+        allowed = (["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
+                   + [f"sekv:{m}" for m in ROW_METHODS])
+        unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)
+                   or (CENTROIDS in b and b.split(CENTROIDS)[0][5:] in ROW_METHODS)]
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
                              f"'{CENTROIDS}N' (score centroids per span, N in 0..32) or '{CENTROIDS}NbB' (and "
@@ -107,6 +112,8 @@ class Grid(BaseModel):
         if not backend.startswith("sekv"):
             return None
         name = backend.partition(CENTROIDS)[0]
+        if name[5:] in ROW_METHODS:  # an in-engine method beside SeKV: the settings every method reads
+            return {**{k: v for k, v in self.sekv_config.items() if k in COMMON_SETTINGS}, "method": name[5:]}
         out = dict(self.sekv_config)
         if name.startswith("sekv:"):
             out["zoom_policy"] = name.split(":", 1)[1]

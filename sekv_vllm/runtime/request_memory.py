@@ -27,10 +27,12 @@ from sekv_vllm.core import (
 )
 from sekv_vllm.core.batched_attention import batched_mixed_attention
 from sekv_vllm.core.low_rank import SpanBases, span_factors
+from sekv_vllm.methods import ROW_METHODS, SEKV, RowKeepingMethod
 from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy, segment_budgeted_zoom
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
+from sekv_vllm.runtime.kept_rows import attend_kept, keep_prompt_rows
 from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
@@ -70,6 +72,7 @@ class RequestMemory:
     budget: int
     status: Status
     reason: str = ""
+    method: str = SEKV  # `sekv` (spans) or a row-keeping method's name
     surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
     layout: SpanLayout | None = None
     zoom_budget: int = 0
@@ -78,6 +81,8 @@ class RequestMemory:
     zoom_all: bool = False
     # PREFILLING: every computed row by position, per layer.
     captured: dict[str, RowBuffer] = field(default_factory=dict)
+    # PREFILLING, for a method that reads them: the prompt's last queries [W, H, D] by layer.
+    queries: dict[str, torch.Tensor] = field(default_factory=dict)
     # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
     # rows and the output not spanified, in position order), per layer; in the engine's pages once
     # it hands them over (`place_rows`), else in pages of their own.
@@ -193,6 +198,7 @@ class SeKVRuntime:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.policy: ZoomPolicy = make_policy(config.zoom_policy, shape=shape, model_name=model_name,
                                               router_weights=config.router_weights)
+        self.row_methods: dict[str, RowKeepingMethod] = {name: config.row_method(name) for name in ROW_METHODS}
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
         # Per layer, the spans of the last batch that decoded (reused while the batch is unchanged).
@@ -224,31 +230,42 @@ class SeKVRuntime:
         extra_args were validated at the front end; a bad value here still must not fail
         the request, so it is kept at full KV and the reason logged.
         """
+        method = self.config.method
         try:
             overrides = RequestOverrides.from_extra_args(extra_args)
+            method = overrides.sekv_method or method
             budget = self.config.budget_for(prompt_len, overrides)
-            reason = self._full_kv_reason(prompt_len, overrides)
+            reason = self._full_kv_reason(prompt_len, overrides, method)
         except ValueError as err:
             budget, reason = prompt_len, f"bad per-request settings: {err}"
             logger.warning("sekv: request %s keeps full KV: %s", req_id, reason)
-        mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason)
-        if not reason:
+        mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason,
+                            method=method)
+        if not reason and method == SEKV:
             mem.surprisal = torch.zeros(prompt_len, dtype=torch.float32)
         self.requests[req_id] = mem
         return mem
 
-    def _full_kv_reason(self, prompt_len: int, overrides: RequestOverrides) -> str:
+    def _full_kv_reason(self, prompt_len: int, overrides: RequestOverrides, method: str) -> str:
         """Why a request keeps full KV, or "" when it will be compressed."""
         if not overrides.sekv_compress:
             return "compression switched off by the request"
         if prompt_len < self.config.min_prompt_tokens:
             return f"prompt ({prompt_len}) shorter than min_prompt_tokens ({self.config.min_prompt_tokens})"
+        if method in self.row_methods:
+            window = self.row_methods[method].query_window
+            return f"prompt ({prompt_len}) not longer than {method}'s query window ({window})" if prompt_len <= window else ""
         if prompt_len <= self.config.window:
             return f"prompt ({prompt_len}) fits in the window ({self.config.window})"
         return ""
 
     def get(self, req_id: str) -> RequestMemory | None:
         return self.requests.get(req_id)
+
+    def needs_surprisal(self, req_id: str) -> bool:
+        """Whether the request's method reads its tokens' surprisal (SeKV's segmentation does)."""
+        mem = self.requests.get(req_id)
+        return mem is not None and mem.method == SEKV
 
     def is_compressed(self, req_id: str) -> bool:
         mem = self.requests.get(req_id)
@@ -263,18 +280,35 @@ class SeKVRuntime:
             _reserve_surprisal(mem, int(positions.max()) + 1)
         mem.surprisal[positions] = values.float()
 
-    def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n)."""
+    def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor,
+                q: torch.Tensor | None = None) -> None:
+        """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n); q [n, H, D]
+        their queries, kept where the request's method reads them (the prompt's last query_window)."""
         mem = self.requests[req_id]
         if mem.status is Status.PREFILLING:
             buf = mem.captured.get(layer_name)
             if buf is None:
                 buf = mem.captured[layer_name] = RowBuffer(mem.prompt_len, k.shape[1], k.shape[2], k.dtype)
             buf.write(start, k, v)
+            window = self.row_methods[mem.method].query_window if mem.method in self.row_methods else 0
+            if window and q is not None:
+                self._capture_queries(mem, layer_name, start, q, window)
         else:  # decode rows join the window
             self._make_room(mem, layer_name, k.shape[0])
             mem.rows[layer_name].append(k, v)
             self._advance([req_id], layer_name, k.shape[0])
+
+    @staticmethod
+    def _capture_queries(mem: RequestMemory, layer_name: str, start: int, q: torch.Tensor, window: int) -> None:
+        """Keep the queries of positions [T - window, T) among q [n, H, D] at [start, start + n)."""
+        first = mem.prompt_len - window
+        lo, hi = max(first, start), min(mem.prompt_len, start + q.shape[0])
+        if lo >= hi:
+            return
+        kept = mem.queries.get(layer_name)
+        if kept is None:
+            kept = mem.queries[layer_name] = q.new_zeros(window, *q.shape[1:])
+        kept[lo - first : hi - first] = q[lo - start : hi - start]
 
     def _advance(self, req_ids: list[str], layer_name: str, n: int) -> None:
         """Compressed requests' windows grew by n rows in a layer: count their positions once (first layer)."""
@@ -288,6 +322,8 @@ class SeKVRuntime:
         cfg = self.config
         if set(mem.captured) != set(self.layer_names):
             return self._keep_full(mem, "prompt rows were not captured in every layer")
+        if mem.method in self.row_methods:
+            return self._compress_kept_rows(mem)
         surprisal = mem.surprisal[: mem.prompt_len]
         layout, zoom_budget = plan_layout(surprisal, mem.budget, cfg)
         zoom_all = zoom_budget >= layout.span_tokens - layout.num_spans
@@ -334,6 +370,7 @@ class SeKVRuntime:
         span_fast_bytes += sum(f.numel() * f.element_size() for f in mem.key_features.values())
         mem.figures = {
             "req_id": req_id,
+            "method": SEKV,
             "prompt_tokens": mem.prompt_len,
             "budget_rows": mem.budget,
             "spans": layout.num_spans,
@@ -365,12 +402,41 @@ class SeKVRuntime:
         )
         return mem
 
+    def _compress_kept_rows(self, mem: RequestMemory) -> RequestMemory:
+        """A row-keeping method's compression: the prompt rows it keeps per KV head, the rest evicted."""
+        method = self.row_methods[mem.method]
+        if method.query_window and set(mem.queries) != set(self.layer_names):
+            return self._keep_full(mem, "prompt queries were not captured in every layer")
+        n_keep = min(mem.budget, mem.prompt_len)
+        mem.rows = keep_prompt_rows(method, mem.captured, mem.queries, mem.prompt_len, n_keep, OWN_BLOCK,
+                                    spare=self.config.window_growth + 1)
+        mem.next_position = mem.captured[self.layer_names[0]].length
+        mem.captured, mem.queries = {}, {}
+        mem.status = Status.COMPRESSED
+        row_bytes, L = self._row_bytes(mem), len(self.layer_names)
+        mem.figures = {
+            "req_id": mem.req_id,
+            "method": mem.method,
+            "prompt_tokens": mem.prompt_len,
+            "budget_rows": mem.budget,
+            "kept_prompt_rows": n_keep,
+            "spans": 0,
+            "full_kv_bytes": mem.prompt_len * row_bytes * L,
+            "fast_tier_bytes": n_keep * row_bytes * L,
+            "host_pool_bytes": 0,
+        }
+        mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
+        logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head", mem.req_id,
+                    mem.method, mem.prompt_len, n_keep)
+        return mem
+
     # -- decode: the window outgrows its limit ----------------------------------------------
     def window_due(self, req_id: str) -> bool:
         """Whether a compressed request's window holds `window` + `window_growth` rows or more."""
         mem = self.requests.get(req_id)
         growth = self.config.window_growth
-        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and not mem.suspended
+        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and mem.method == SEKV
+                and not mem.suspended
                 and mem.next_position - mem.window_pos >= self.config.window + growth
                 and mem.next_position >= mem.spanify_from)
 
@@ -503,8 +569,31 @@ class SeKVRuntime:
         """Many compressed requests' newest tokens at once: q [B, H, D] -> [B, H, D] float32.
 
         new_k, new_v: [B, Hkv, D] the newest tokens' rows, appended to the requests' windows here (as
-        `capture` would; the kernel writes them in place) before they are attended; None when they
-        were captured already.
+        `capture` would) before they are attended; None when they were captured already.
+        SeKV requests attend through their spans (`_attend_spans`), a row-keeping method's over the
+        rows it kept and its output (`attend_kept`).
+        """
+        kept = [i for i, r in enumerate(req_ids) if self.requests[r].method != SEKV]
+        if not kept:
+            return self._attend_spans(req_ids, layer_name, q, scale, new_k, new_v)
+        spans = [i for i in range(len(req_ids)) if i not in kept]
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if spans:
+            out[spans] = self._attend_spans([req_ids[i] for i in spans], layer_name, q[spans], scale,
+                                            None if new_k is None else new_k[spans],
+                                            None if new_v is None else new_v[spans])
+        ids = [req_ids[i] for i in kept]
+        for i, req_id in zip(kept, ids):
+            if new_k is not None:
+                self.capture(req_id, layer_name, 0, new_k[i : i + 1], new_v[i : i + 1])
+            self.requests[req_id].decode_calls += 1
+        out[kept] = attend_kept([self.requests[r].rows[layer_name] for r in ids], q[kept], scale)
+        return out
+
+    def _attend_spans(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float,
+                      new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> torch.Tensor:
+        """`attend_batch` for SeKV requests (the kernel writes new_k, new_v in place).
+
         Each request gets its own mixed attention, whatever else decodes with it (bit for bit).
         The C++ kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch
         path (its reference) scores with `ZoomPolicy.span_scores`, zooms with

@@ -35,6 +35,11 @@ def test_sekv_backend_settings():
     assert grid.sekv_settings("sekv:span_score@c0") == {"zoom_policy": "span_score", "score_centroids": 0}
     assert grid.sekv_settings("sekv:router") == {"zoom_policy": "router"}
     assert grid.sekv_settings("sekv:router@c32b2") == {"zoom_policy": "router", "score_centroids": 32, "score_bits": 2}
+    methods = make_grid(backends=["sekv:snapkv", "sekv:streaming_llm"], sekv_config={"window": 16, "min_prompt_tokens": 9})
+    # an in-engine method keeps the settings every method reads, not SeKV's own
+    assert methods.sekv_settings("sekv:snapkv") == {"min_prompt_tokens": 9, "method": "snapkv"}
+    with pytest.raises(GridError, match=r"unknown backend\(s\) \['sekv:snapkv@c4'\]"):
+        make_grid(backends=["sekv:snapkv@c4"])
 
 
 def test_unknown_profile_is_refused():

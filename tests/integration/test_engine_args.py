@@ -45,6 +45,19 @@ def test_create_engine_config_validates_and_turns_prefix_caching_off(engine_args
     assert config.additional_config["sekv"]["budget_ratio"] == 0.25  # normalised: every process sees all fields
 
 
+def test_a_row_keeping_method_is_normalised_with_its_own_settings_only(engine_args_cls, model_dir):
+    from sekv_vllm.config import SeKVConfig, SeKVConfigError
+
+    foreign = engine_args_cls(model=model_dir, additional_config={"sekv": {"method": "snapkv", "r_max": 8}})
+    with pytest.raises(SeKVConfigError, match=r"sekv\.r_max: not a setting of method 'snapkv'"):
+        foreign.create_engine_config()
+    args = engine_args_cls(model=model_dir, dtype="float32",
+                           additional_config={"sekv": {"method": "snapkv", "observation_window": 32}})
+    settings = args.create_engine_config().additional_config["sekv"]
+    assert settings["method_settings"] == {"observation_window": 32, "pooling_kernel": 5} and "r_max" not in settings
+    assert SeKVConfig.from_additional_config({"sekv": settings}).method == "snapkv"  # what the worker reads
+
+
 def test_speculative_decoding_is_refused_with_sekv(engine_args_cls, model_dir):
     from sekv_vllm.config import SeKVConfigError
 

@@ -47,6 +47,24 @@ def test_full_budget_equals_stock_vllm_token_for_token(model_dir, stock_run, tmp
     assert sum(fig["output_spans"] for fig in sekv["figures"][1:]) > 0  # the window was spanified
 
 
+def test_row_keeping_methods_at_full_budget_equal_stock_vllm_token_for_token(model_dir, stock_run, tmp_path):
+    # One engine: the deployment's method (snapkv) and a request's own (streaming_llm), both keeping every
+    # prompt row (budget 1.0): their capture, kept rows, decode over them and output rows must be exact.
+    requests, stock = stock_run
+    methods = ("snapkv", "streaming_llm")
+    chosen = [{**r, "extra_args": {"sekv_method": m}} for m in methods for r in requests]
+    run = run_job({"model": model_dir, "requests": chosen,
+                   "additional_config": {"sekv": {"method": "snapkv", "budget_ratio": 1.0, "min_prompt_tokens": 256}},
+                   "bad_requests": [{"prompt": "hi", "extra_args": {"sekv_method": "h2o"}}]}, tmp_path)
+    for i, out in enumerate(run["outputs"]):
+        ref = stock["outputs"][i % len(requests)]
+        assert out["token_ids"] == ref["token_ids"], f"{chosen[i]['extra_args']} prompt {i}: {ref['text']!r} vs {out['text']!r}"
+    figures = run["figures"]
+    assert [f and f["method"] for f in figures] == [None, *[methods[0]] * 3, None, *[methods[1]] * 3]
+    assert all(f["fast_tier_fraction"] == 1.0 and f["decode_steps"] > 0 for f in figures if f)
+    assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm' or 'snapkv'" in run["errors"][0]
+
+
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):
     requests, stock = stock_run
     sekv = run_job({"model": model_dir, "additional_config": {"sekv": {"host_pool_bytes": 1000, "min_prompt_tokens": 256}},

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -145,6 +146,21 @@ class SeKVMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class SeKVAttentionImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """vLLM writes every new token's K/V into its slot before attention; a compressed request's
+        newest row goes to sekv instead (the runtime appends it to its rows). Its slot lies in a page
+        the request keeps, which may hold sekv's rows in sekv's layout: writing it there would
+        overwrite some of them."""
+        meta = get_forward_context().attn_metadata
+        plan = getattr(meta.get(layer.layer_name) if isinstance(meta, dict) else meta, "sekv", None)
+        if plan is not None and plan.attend_rows.numel():
+            n = slot_mapping.shape[0]
+            vllm_rows = torch.ones(n, dtype=torch.bool)
+            vllm_rows[plan.attend_rows] = False
+            key, value, slot_mapping = key[:n][vllm_rows], value[:n][vllm_rows], slot_mapping[vllm_rows]
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
     def forward(
         self,
         layer,
@@ -165,7 +181,8 @@ class SeKVAttentionImpl(CPUAttentionBackendImpl):
         runtime = current_bridge().runtime
         name = layer.layer_name
         for req_id, row, n, start in plan.captures:
-            runtime.capture(req_id, name, start, key[row : row + n], value[row : row + n])
+            q = query[row : row + n].view(n, self.num_heads, self.head_size)
+            runtime.capture(req_id, name, start, key[row : row + n], value[row : row + n], q)
         if plan.exact is not None and plan.exact_rows is None:
             super().forward(layer, query, key, value, kv_cache, plan.exact, output, output_scale, output_block_scale)
         elif plan.exact is not None:

@@ -137,7 +137,8 @@ class RunnerBridge:
             start = req.num_computed_tokens  # before this step
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             with self._request_work(req_id, "compression"):
-                self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
+                if self.runtime.needs_surprisal(req_id):
+                    self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
                 if start + n >= mem.prompt_len:
                     self._compress(req_id)
         if self.runtime.config.window_growth:
@@ -238,7 +239,8 @@ class RunnerBridge:
         for i, req_id in enumerate(req_ids):
             req = self.runner.requests.get(req_id)
             # a window grows by at most max_tokens - 1 rows: no more than `growth`, never spanified
-            if not self.runtime.is_compressed(req_id) or (req.sampling_params.max_tokens or growth + 1) <= growth:
+            if (not self.runtime.is_compressed(req_id) or not self.runtime.needs_surprisal(req_id)
+                    or (req.sampling_params.max_tokens or growth + 1) <= growth):
                 continue
             before = self._pending_logits.pop(req_id, None)
             if before is not None:

@@ -32,6 +32,7 @@ import logging
 import numpy as np
 
 from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
+from sekv_vllm.methods import SEKV
 from sekv_vllm.integration.vllm import request_failures
 
 logger = logging.getLogger("sekv_vllm")
@@ -123,14 +124,16 @@ def _install_cli() -> None:
                 self.enable_prefix_caching = False
                 _check_one_worker(self)
                 # Normalised and validated: every process reads the same full settings.
-                self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.model_dump()}
+                self.additional_config = {**self.additional_config, ADDITIONAL_CONFIG_KEY: config.normalised()}
             vllm_config = original(self, *args, **kwargs)
             if config is not None:
                 # vLLM's CPU platform turns 'uni' into 'mp' (a worker process of its own) when the engine
                 # core runs in a process of its own, as in the server.
                 vllm_config.parallel_config.distributed_executor_backend = "uni"
-                _check_kernel_dtype(config, vllm_config)
-                _settle_policy(config, vllm_config)
+                if config.method == SEKV:
+                    # a request of another deployment's method that asks for sekv gets `auto`, settled there
+                    _check_kernel_dtype(config, vllm_config)
+                    _settle_policy(config, vllm_config)
             return vllm_config
 
         return create_engine_config
@@ -175,7 +178,7 @@ def _settle_policy(config: SeKVConfig, vllm_config) -> None:
     mc = vllm_config.model_config
     policy, why = choose_policy(config.zoom_policy, config.router_weights, Path(mc.model).name)
     logger.info("sekv: zoom policy %s (%s)", policy, why)
-    settings = {**config.model_dump(), "zoom_policy": policy}
+    settings = {**config.normalised(), "zoom_policy": policy}
     if policy != "router":
         vllm_config.additional_config = {**vllm_config.additional_config, ADDITIONAL_CONFIG_KEY: settings}
         return

@@ -1,0 +1,39 @@
+"""A row-keeping method's requests in the runtime: the prompt's kept rows, then decode over them.
+
+The kept rows of every layer go into `PagedRows` as a SeKV request's full-resolution rows do, so
+they move into vLLM's pages, grow with the output and survive preemption the same way; the
+output stays at full resolution (no eviction during decode yet).
+"""
+from __future__ import annotations
+
+import torch
+
+from sekv_vllm.core import exact_attention
+from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.row_buffer import RowBuffer
+
+
+def keep_prompt_rows(method: RowKeepingMethod, captured: dict[str, RowBuffer], queries: dict[str, torch.Tensor],
+                     prompt_len: int, n_keep: int, block: int, spare: int) -> dict[str, PagedRows]:
+    """Per layer, the rows `method` keeps of the prompt's captured rows (k, v [>= T, Hkv, D]; rows past
+    the prompt, a resumed request's earlier output, are all kept after them), in pages of `block` rows
+    with room for `spare` more. queries: per layer [W, H, D], the prompt's last W queries."""
+    kept = {}
+    for name, buf in captured.items():
+        k, v = buf.view()
+        no_queries = k.new_zeros(0, 1, k.shape[2])  # the method reads none
+        prompt = PromptRows(k[:prompt_len], v[:prompt_len], queries.get(name, no_queries))
+        k_kept, v_kept = gather_kept(prompt.k, prompt.v, method.keep(prompt, n_keep))
+        k_kept, v_kept = torch.cat([k_kept, k[prompt_len:]]), torch.cat([v_kept, v[prompt_len:]])
+        kept[name] = PagedRows.of_rows(k_kept, v_kept, block, spare=spare)
+    return kept
+
+
+def attend_kept(rows: list[PagedRows], q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, D], one query per request, over that request's rows -> [B, H, D] float32."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i, r in enumerate(rows):
+        k, v = r.view()
+        out[i] = exact_attention(q[i], k, v, scale)
+    return out
