@@ -6,9 +6,15 @@ installs as `sekv_vllm.csrc` (C++ sources compiled on first use, `sekv_vllm.ops.
 """
 from setuptools import find_packages, setup
 
+# Folders of data only, declared as packages so that their files ship (setuptools warns otherwise).
+DATA_PACKAGES = {
+    "sekv_vllm.router.shipped": ["*.safetensors", "*.json"],  # the shipped router weights and their provenance
+    "sekv_vllm.csrc.cpu": ["*.cpp"],
+}
+
 setup(
-    packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"]) + ["sekv_vllm.triton_kernels", "sekv_vllm.csrc"],
+    packages=find_packages(include=["sekv_vllm", "sekv_vllm.*"])
+    + ["sekv_vllm.triton_kernels", "sekv_vllm.csrc", *DATA_PACKAGES],
     package_dir={"sekv_vllm.triton_kernels": "triton_kernels", "sekv_vllm.csrc": "csrc"},
-    # the shipped router weights and their provenance
-    package_data={"sekv_vllm.router": ["weights/*.safetensors", "weights/*.json"], "sekv_vllm.csrc": ["cpu/*.cpp"]},
+    package_data=DATA_PACKAGES,
 )

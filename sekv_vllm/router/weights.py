@@ -1,6 +1,6 @@
 """Router weights on disk: safetensors (float16) with the model shape and provenance as metadata.
 
-Shipped weights live in `sekv_vllm/router/weights/<model name>.safetensors`, beside a JSON file
+Shipped weights live in `sekv_vllm/router/shipped/<model name>.safetensors`, beside a JSON file
 naming the command, data and figures that produced them.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from sekv_vllm.router.network import ModelShape, ZoomRouter
 
 FORMAT = "sekv-router-v1"
-SHIPPED_DIR = Path(__file__).parent / "weights"
+SHIPPED_DIR = Path(__file__).parent / "shipped"
 
 
 class RouterWeightsError(ValueError):

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint.pt")
-    parser.add_argument("--ship", action="store_true", help="copy the weights into sekv_vllm/router/weights/")
+    parser.add_argument("--ship", action="store_true", help="copy the weights into sekv_vllm/router/shipped/")
     args = parser.parse_args(argv)
     config = TrainConfig.load(args.config, steps=args.steps, out_dir=args.out_dir, seed=args.seed)
     command = "sekv-vllm train-router " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -2,7 +2,8 @@
 
     python pages_job.py SPEC.json  ->  RESULT {"outputs": [...], "trace": [...], ...}
 SPEC: {"model": str, "sekv": {...} | null (stock vLLM, plugins off), "num_blocks": int | null,
-       "prompts": [[token ids]], "max_tokens": int, "abort": {"after_step": int, "indices": [int]}}
+       "prompts": [[token ids]], "extra_args": [per-prompt SamplingParams.extra_args] | null, "max_tokens": int,
+       "abort": {"after_step": int, "indices": [int]}}
 
 Per step the trace records, per live request, the pages it holds (null pages excluded),
 whether it is running with output, and (sekv) whether each compressed request's rows are inside
@@ -64,9 +65,10 @@ def main() -> None:
 
     scheduler._preempt_request = count_preempt
     free_at_start = pool.get_num_free_blocks()
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     ids = [f"r{i}" for i in range(len(spec["prompts"]))]
-    for rid, prompt in zip(ids, spec["prompts"]):
+    extra_args = spec.get("extra_args") or [None] * len(ids)
+    for rid, prompt, extra in zip(ids, spec["prompts"], extra_args):
+        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, extra_args=extra)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     abort = spec.get("abort") or {}
     outputs: dict[str, list[int]] = {}

@@ -118,13 +118,15 @@ def test_spanified_output_returns_its_pages_too(model_dir, essay_ids, tmp_path):
     assert grown["free_at_end"] == grown["free_at_start"] and grown["host_pool_used_bytes"] == 0
 
 
-@pytest.mark.parametrize("method", sorted(ROW_METHODS))
-def test_a_row_keeping_method_returns_its_pages_survives_preemption_and_abort(method, model_dir, essay_ids, tmp_path):
-    # Every registered row-keeping method through prefill, compression, decode, pages handed back (as many
-    # held as its figures say), preemption under a tiny pool (same outputs as with room) and an abort.
-    spec = {"model": model_dir, "sekv": {"method": method, "budget_ratio": 0.125, "min_prompt_tokens": 256},
-            "prompts": essay_ids(700, 4), "max_tokens": 300, "max_model_len": 1010,
-            "abort": {"after_step": 3, "indices": [3]}}
+def test_every_row_keeping_method_returns_its_pages_survives_preemption_and_abort(model_dir, essay_ids, tmp_path):
+    # Every registered row-keeping method (the deployment's for the first, `sekv_method` for the others, in one
+    # engine) through prefill, compression, decode, pages handed back (as many held as its figures say),
+    # preemption under a tiny pool (same outputs as with room) and an abort.
+    methods = sorted(ROW_METHODS)
+    chosen = [methods[i % len(methods)] for i in range(4)]
+    spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256},
+            "prompts": essay_ids(700, 4), "extra_args": [{"sekv_method": m} for m in chosen], "max_tokens": 300,
+            "max_model_len": 1010, "abort": {"after_step": 3, "indices": [3]}}
     # 10 pages of 128 tokens: three compressed requests run at once, their outputs outgrow the pool
     tiny, roomy = pages({**spec, "num_blocks": 11}, tmp_path), pages(spec, tmp_path)
     assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
@@ -132,14 +134,14 @@ def test_a_row_keeping_method_returns_its_pages_survives_preemption_and_abort(me
     for r in (tiny, roomy):
         assert r["free_at_end"] == r["free_at_start"] and r["runtime_requests_left"] == 0
     bs = roomy["block_size"]
-    finished = [f for f in roomy["figures"] if not f["req_id"].startswith("r3-")]  # r3 was aborted
-    assert len(finished) == 3
-    for fig in finished:
+    finished = {f["req_id"].split("-")[0]: f for f in roomy["figures"] if not f["req_id"].startswith("r3-")}
+    assert sorted(finished) == ["r0", "r1", "r2"]  # r3 was aborted
+    for rid, fig in finished.items():
         n = fig["prompt_tokens"]
         block_bytes = fig["full_kv_bytes"] // n * bs
         held = [t["held"][fig["req_id"]] for t in roomy["trace"] if fig["req_id"] in t["held"]]
         kept_pages = math.ceil(fig["fast_tier_bytes"] / block_bytes) + math.ceil(n / bs) - n // bs
-        assert fig["method"] == method and fig["fast_tier_fraction"] == pytest.approx(0.125, abs=0.01)
+        assert fig["method"] == chosen[int(rid[1:])] and fig["fast_tier_fraction"] == pytest.approx(0.125, abs=0.01)
         assert fig["vllm_pages_held_bytes"] == kept_pages * block_bytes and min(held) == kept_pages
         assert max(held) >= math.ceil(n / bs)
     checks = [ok for t in roomy["trace"] for ok in t["rows_in_pages"].values()]
