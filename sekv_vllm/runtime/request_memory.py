@@ -8,167 +8,39 @@ the same way (`spanify_window`) -> released when it finishes or aborts (kept whi
 """
 from __future__ import annotations
 
-import enum
 import functools
-import itertools
 import json
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
-from sekv_vllm.core import (
-    LayerSpanMemory, SpanKeys, SpanLayout, append_spans, compress_layer, concat_span_keys, segment_prompt,
-    surprisal_threshold,
-)
-from sekv_vllm.core.batched_attention import batched_mixed_attention
-from sekv_vllm.core.low_rank import SpanBases, span_factors
+from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
 from sekv_vllm.methods import ROW_METHODS, SEKV, RowKeepingMethod
 from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
-from sekv_vllm.policies import ZoomPolicy, make_policy, segment_budgeted_zoom
+from sekv_vllm.policies import ZoomPolicy, make_policy
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.kept_rows import attend_kept, keep_prompt_rows
 from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status
 from sekv_vllm.runtime.row_buffer import RowBuffer
+from sekv_vllm.runtime.span_decoder import SpanDecoder
 
 logger = logging.getLogger("sekv_vllm")
-_NO_FEATURES = torch.zeros(0, dtype=torch.float16)
-_NO_CODES = torch.zeros(0, dtype=torch.float16)
-_NO_QUERY_FEATURES = torch.zeros(0, 0, 0)
-_NO_NEW_ROWS = torch.zeros(0)
-_ROWS = torch.zeros(0)
 # Rows per page of a request's own pages (before the engine's are handed over, and in tests).
 OWN_BLOCK = 64
 
 
-def _basis(bases: SpanBases) -> torch.Tensor:
-    """The kernel's basis argument: empty when the bases hold the rows themselves."""
-    return bases.basis if bases.factored else _ROWS
-
-
-def _reserve_surprisal(mem: "RequestMemory", n: int) -> None:
+def _reserve_surprisal(mem: RequestMemory, n: int) -> None:
     """Room for the surprisal of positions [0, n) (zeros where none was recorded)."""
     if n > mem.surprisal.numel():
         grown = torch.zeros(max(n, 2 * mem.surprisal.numel()), dtype=torch.float32)
         grown[: mem.surprisal.numel()] = mem.surprisal
         mem.surprisal = grown
-
-
-class Status(enum.Enum):
-    PREFILLING = "prefilling"  # surprisal is being collected; compressed once the prompt is done
-    COMPRESSED = "compressed"
-    FULL_KV = "full_kv"  # kept at full KV; `reason` says why
-
-
-@dataclass
-class RequestMemory:
-    req_id: str
-    prompt_len: int
-    budget: int
-    status: Status
-    reason: str = ""
-    method: str = SEKV  # `sekv` (spans) or a row-keeping method's name
-    surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
-    layout: SpanLayout | None = None
-    zoom_budget: int = 0
-    # The budget covers every span at token resolution: no choice to make, every span is
-    # rebuilt exactly (no gates) and the policy is not asked.
-    zoom_all: bool = False
-    # PREFILLING: every computed row by position, per layer.
-    captured: dict[str, RowBuffer] = field(default_factory=dict)
-    # PREFILLING, for a method that reads them: the prompt's last queries [W, H, D] by layer.
-    queries: dict[str, torch.Tensor] = field(default_factory=dict)
-    # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
-    # rows and the output not spanified, in position order), per layer; in the engine's pages once
-    # it hands them over (`place_rows`), else in pages of their own.
-    rows: dict[str, PagedRows] = field(default_factory=dict)
-    # Per layer, the policy's span-side score features (`ZoomPolicy.key_features`), if it has any.
-    key_features: dict[str, torch.Tensor] = field(default_factory=dict)
-    # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
-    # processed so far); rows before it that a recompute computes again are not needed.
-    next_position: int = 0
-    # COMPRESSED: rows[:window_row] are fixed rows (anchors and short runs of the prompt and of
-    # spanified output); from window_row on, the full-resolution window, starting at position window_pos.
-    window_row: int = 0
-    window_pos: int = 0
-    # COMPRESSED: the window is not spanified again before this position (after a full host pool).
-    spanify_from: int = 0
-    output_spans: int = 0
-    output_span_tokens: int = 0
-    output_fixed_tokens: int = 0
-    output_fast_tier_bytes: int = 0
-    # COMPRESSED and preempted: state kept for the recompute that resumes it (`suspend`).
-    suspended: bool = False
-    decode_calls: int = 0
-    zoomed_spans_total: int = 0
-    figures: dict = field(default_factory=dict)
-
-
-@dataclass
-class BatchSpans:
-    """The spans of one layer of the requests decoding together, one request after another.
-
-    layers: each request's compressed layer; features: each request's `key_features` (a
-    placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom rows per
-    KV head; zoom_all [B] bool. `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
-    (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each
-    is made on first use.
-    """
-
-    req_ids: tuple[str, ...]
-    layers: tuple[LayerSpanMemory, ...]
-    features: tuple[torch.Tensor, ...]
-    seg: torch.Tensor
-    budgets: torch.Tensor
-    zoom_all: torch.Tensor
-    span_offset: list[int]
-
-    @functools.cached_property
-    def keys(self) -> SpanKeys:
-        return concat_span_keys([m.keys for m in self.layers])
-
-    @functools.cached_property
-    def summary_v(self) -> torch.Tensor:
-        return torch.cat([m.summary_v for m in self.layers])
-
-    @functools.cached_property
-    def kernel_spans(self) -> tuple:
-        """The C++ kernel's per-request span inputs: summary_k, summary_v, span_len, centroid_k (or the
-        codes), log_count, centroid_lo, centroid_step (empty where not quantized), then code_bits."""
-        m = self.layers
-        codes = [x.keys.codes for x in m]
-        bits = max((c.bits for c in codes if c is not None), default=0)
-        return ([x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
-                [x.keys.centroid_k if c is None else c.codes for x, c in zip(m, codes)],
-                [x.keys.log_count for x in m],
-                [_NO_CODES if c is None else c.lo for c in codes] if bits else [],
-                [_NO_CODES if c is None else c.step for c in codes] if bits else [], bits)
-
-    @functools.cached_property
-    def kernel_bases(self) -> tuple[list[torch.Tensor], ...]:
-        """The C++ kernel's per-request host-pool inputs: coef_k, basis_k, coef_v, basis_v, row_offset."""
-        m = self.layers
-        return ([x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
-                [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m])
-
-
-@dataclass(frozen=True)
-class SpanifiedRows:
-    """Window rows of a compressed request segmented and compressed during decoding.
-
-    start, stop: their positions [start, stop); fast_tier_bytes: what they still take in the fast
-    tier (full-resolution anchors and short runs, summaries, scoring keys, the zoom rows they add).
-    """
-
-    start: int
-    stop: int
-    spans: int
-    fast_tier_bytes: int
 
 
 def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
@@ -201,8 +73,7 @@ class SeKVRuntime:
         self.row_methods: dict[str, RowKeepingMethod] = {name: config.row_method(name) for name in ROW_METHODS}
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
-        # Per layer, the spans of the last batch that decoded (reused while the batch is unchanged).
-        self._batch_cache: dict[str, BatchSpans] = {}
+        self.spans = SpanDecoder(self.policy, self.pool, config.max_span)
         self.kernel: ModuleType | None = self._load_kernel(config.decode_kernel)
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
@@ -498,7 +369,7 @@ class SeKVRuntime:
         mem.output_spans += layout.num_spans
         mem.output_span_tokens += layout.span_tokens
         mem.output_fixed_tokens += num_fixed
-        self._batch_cache = {name: b for name, b in self._batch_cache.items() if req_id not in b.req_ids}
+        self.spans.forget(req_id)
         fast_bytes += (num_fixed + zoom_rows) * self._row_bytes(mem) * len(self.layer_names)
         mem.output_fast_tier_bytes += fast_bytes
         logger.info("sekv: %s: window rows %d-%d -> %d spans (%d tokens), %d anchor/short; host pool %d bytes",
@@ -592,17 +463,9 @@ class SeKVRuntime:
 
     def _attend_spans(self, req_ids: list[str], layer_name: str, q: torch.Tensor, scale: float,
                       new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> torch.Tensor:
-        """`attend_batch` for SeKV requests (the kernel writes new_k, new_v in place).
-
-        Each request gets its own mixed attention, whatever else decodes with it (bit for bit).
-        The C++ kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch
-        path (its reference) scores with `ZoomPolicy.span_scores`, zooms with
-        `segment_budgeted_zoom` and attends zoomed spans through their factors
-        (`batched_mixed_attention`). A batch's per-request inputs are gathered once per layer and
-        reused while its requests stay the same (continuous batching changes them only when one
-        joins or ends).
-        """
-        batch = self._batch_spans(req_ids, layer_name)
+        """`attend_batch` for SeKV requests through their spans (`span_decoder.SpanDecoder`): the kernel
+        writes new_k, new_v in place, the torch path captures them first."""
+        batch = self.spans.batch([self.requests[r] for r in req_ids], layer_name)
         layer = self.layer_index[layer_name]
         if self.kernel is not None:
             if new_k is not None:
@@ -610,82 +473,20 @@ class SeKVRuntime:
                     self._make_room(self.requests[r], layer_name, 1)
                     self.requests[r].rows[layer_name].grow(1)
                 self._advance(req_ids, layer_name, 1)
-            bufs = [self.requests[r].rows[layer_name] for r in req_ids]
-            terms = self.policy.query_terms(layer, q, scale)
-            out, zoomed = self.kernel.span_decode(
-                q.float().contiguous(), [b.pages for b in bufs], [b.table for b in bufs],
-                torch.tensor([b.length for b in bufs], dtype=torch.int64),
-                _NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
-                _NO_NEW_ROWS if new_v is None else new_v.float().contiguous(), *batch.kernel_spans,
-                list(batch.features) if terms.features is not None else [], *batch.kernel_bases,
-                batch.budgets, batch.zoom_all, terms.features if terms.features is not None else _NO_QUERY_FEATURES,
-                terms.bias, terms.threshold, scale, terms.score_scale,
-            )
+            rows = [self.requests[r].rows[layer_name] for r in req_ids]
+            out, zoomed = self.spans.attend_kernel(self.kernel, batch, layer, q, rows, new_k, new_v, scale)
         else:
             if new_k is not None:
                 for i, req_id in enumerate(req_ids):
                     self.capture(req_id, layer_name, 0, new_k[i : i + 1], new_v[i : i + 1])
             full = [self.requests[r].rows[layer_name].view() for r in req_ids]
-            out, zoom = self._attend_torch(batch, layer, q, full, scale)
+            out, zoom = self.spans.attend_torch(batch, layer, q, full, scale)
             zoomed = torch.zeros(len(req_ids), dtype=torch.int64).index_add_(0, batch.seg, zoom.any(dim=1).long())
         for req_id, c in zip(req_ids, zoomed.tolist()):
             mem = self.requests[req_id]
             mem.decode_calls += 1
             mem.zoomed_spans_total += c
         return out
-
-    def _attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,
-                      full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch path of `attend_batch`: (out [B, H, D] float32, zoom [S, Hkv] bool)."""
-        score, eligible = self.policy.span_scores(layer, q, batch.seg, batch.keys, scale)
-        Hkv, D = batch.keys.summary_k.shape[1:]
-        zoom = segment_budgeted_zoom(score, batch.seg, batch.keys.span_len, batch.budgets, Hkv, eligible)
-        zoom |= batch.zoom_all[batch.seg][:, None]
-        # The factors of every zoomed (span, KV head) pair; no row is rebuilt: the attention works
-        # on them (`batched_mixed_attention`).
-        pair_span, pair_head = torch.nonzero(zoom.view(zoom.shape[0], Hkv, -1).any(dim=2), as_tuple=True)
-        pair_req = batch.seg[pair_span]
-        parts = []
-        for i in torch.unique(pair_req).tolist():
-            mine = pair_req == i
-            parts.append((batch.layers[i], pair_span[mine] - batch.span_offset[i], pair_head[mine]))
-        if parts:
-            # Padded to the largest possible span and rank (D: bases kept as rows are the
-            # coefficients of the identity basis), not this batch's: a request's result then does
-            # not depend on which others decode with it.
-            L, R = self.config.max_span, D
-            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, R) for m, s_, h in parts)))
-            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, R) for m, s_, h in parts)))
-        else:
-            coef_k = coef_v = torch.zeros(0, 1, 1)
-            basis_k = basis_v = torch.zeros(0, 1, D)
-        out = batched_mixed_attention(
-            q, [k for k, _ in full], [v for _, v in full], batch.keys.summary_k, batch.summary_v,
-            batch.keys.span_len, batch.seg, zoom, pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, scale,
-        )
-        return out, zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]
-
-    def _batch_spans(self, req_ids: list[str], layer_name: str) -> "BatchSpans":
-        key = tuple(req_ids)
-        cached = self._batch_cache.get(layer_name)
-        if cached is not None and cached.req_ids == key:
-            return cached
-        mems = [self.requests[r] for r in req_ids]
-        layers = tuple(self.pool.load(r, layer_name) for r in req_ids)
-        counts = [m.keys.num_spans for m in layers]
-        # a request that zooms every span is never scored: no features, a placeholder
-        features = tuple(m.key_features.get(layer_name, _NO_FEATURES) for m in mems)
-        batch = BatchSpans(
-            req_ids=key,
-            layers=layers,
-            features=features,
-            seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
-            budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
-            zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
-            span_offset=[0, *itertools.accumulate(counts)][:-1],
-        )
-        self._batch_cache[layer_name] = batch
-        return batch
 
     def is_active(self, req_id: str) -> bool:
         """Whether the request's rows must be captured (prefilling or compressed)."""
@@ -740,7 +541,7 @@ class SeKVRuntime:
             logger.exception("sekv: %s: its figures could not be read", req_id)
             figures = {}
         self.requests.pop(req_id, None)
-        self._batch_cache = {n: b for n, b in self._batch_cache.items() if req_id not in b.req_ids}
+        self.spans.forget(req_id)
         self.pool.release(req_id)
         if not self.requests:
             logger.info("sekv: no request held; host pool %d of %d bytes in use",

@@ -59,7 +59,7 @@ def test_kernel_matches_the_torch_path(case):
     prompts = {"a": 900, "b": 1300, "c": 200}
     rt = _runtime(prompts, **CASES[case])
     rt.requests["c"].zoom_all = True
-    rt._batch_cache.clear()
+    rt.spans.clear()
     shape = CASES[case].get("shape", SHAPE)
     q = torch.randn(3, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(4)) * 2
     ids = list(prompts)

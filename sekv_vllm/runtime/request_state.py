@@ -1,0 +1,76 @@
+"""A request's state in the runtime, and what spanifying its window returns (torch only)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from sekv_vllm.core import SpanLayout
+from sekv_vllm.methods import SEKV
+from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.row_buffer import RowBuffer
+
+
+class Status(enum.Enum):
+    PREFILLING = "prefilling"  # surprisal is being collected; compressed once the prompt is done
+    COMPRESSED = "compressed"
+    FULL_KV = "full_kv"  # kept at full KV; `reason` says why
+
+
+@dataclass
+class RequestMemory:
+    req_id: str
+    prompt_len: int
+    budget: int
+    status: Status
+    reason: str = ""
+    method: str = SEKV  # `sekv` (spans) or a row-keeping method's name
+    surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
+    layout: SpanLayout | None = None
+    zoom_budget: int = 0
+    # The budget covers every span at token resolution: no choice to make, every span is
+    # rebuilt exactly (no gates) and the policy is not asked.
+    zoom_all: bool = False
+    # PREFILLING: every computed row by position, per layer.
+    captured: dict[str, RowBuffer] = field(default_factory=dict)
+    # PREFILLING, for a method that reads them: the prompt's last queries [W, H, D] by layer.
+    queries: dict[str, torch.Tensor] = field(default_factory=dict)
+    # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
+    # rows and the output not spanified, in position order), per layer; in the engine's pages once
+    # it hands them over (`place_rows`), else in pages of their own.
+    rows: dict[str, PagedRows] = field(default_factory=dict)
+    # Per layer, the policy's span-side score features (`ZoomPolicy.key_features`), if it has any.
+    key_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
+    # processed so far); rows before it that a recompute computes again are not needed.
+    next_position: int = 0
+    # COMPRESSED: rows[:window_row] are fixed rows (anchors and short runs of the prompt and of
+    # spanified output); from window_row on, the full-resolution window, starting at position window_pos.
+    window_row: int = 0
+    window_pos: int = 0
+    # COMPRESSED: the window is not spanified again before this position (after a full host pool).
+    spanify_from: int = 0
+    output_spans: int = 0
+    output_span_tokens: int = 0
+    output_fixed_tokens: int = 0
+    output_fast_tier_bytes: int = 0
+    # COMPRESSED and preempted: state kept for the recompute that resumes it (`suspend`).
+    suspended: bool = False
+    decode_calls: int = 0
+    zoomed_spans_total: int = 0
+    figures: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpanifiedRows:
+    """Window rows of a compressed request segmented and compressed during decoding.
+
+    start, stop: their positions [start, stop); fast_tier_bytes: what they still take in the fast
+    tier (full-resolution anchors and short runs, summaries, scoring keys, the zoom rows they add).
+    """
+
+    start: int
+    stop: int
+    spans: int
+    fast_tier_bytes: int
