@@ -447,7 +447,7 @@ class SeKVRuntime:
         kept = [i for i, r in enumerate(req_ids) if self.requests[r].method != SEKV]
         if not kept:
             return self._attend_spans(req_ids, layer_name, q, scale, new_k, new_v)
-        spans = [i for i in range(len(req_ids)) if i not in kept]
+        spans = sorted(set(range(len(req_ids))) - set(kept))
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if spans:
             out[spans] = self._attend_spans([req_ids[i] for i in spans], layer_name, q[spans], scale,
