@@ -9,6 +9,7 @@ import torch
 
 from sekv_vllm.core.low_rank import (
     SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, rebuild_spans_of, rows_if_smaller, singular_values,
+    span_rows,
 )
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
@@ -63,16 +64,24 @@ def compress_layer(
     """
     summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len)
     summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len)
-    bases_k = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
-    if key_gates is not None and layout.num_spans:
-        gates = key_gates(singular_values(bases_k), summary_k)
-        if gates is not None:
-            bases_k = gate_bases(bases_k, gates)
-    bases_v = fit_span_bases(v, layout.span_start, layout.span_len, r_max)
     form = rows_if_smaller if store_rows is None else (as_rows if store_rows else lambda b: b)
+    # At r_max >= every span's length the factors rebuild the rows exactly and take more bytes than
+    # they do: the rows are kept as they are (no decomposition) unless factors were asked for.
+    exact = layout.num_spans == 0 or r_max >= int(layout.span_len.max())
+    as_is = exact and store_rows is not False
+
+    def bases_of(x: torch.Tensor) -> SpanBases:
+        return span_rows(x, layout.span_start, layout.span_len) if as_is else form(
+            fit_span_bases(x, layout.span_start, layout.span_len, r_max))
+
+    gates = None
+    if key_gates is not None and layout.num_spans:
+        bases_k = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
+        gates = key_gates(singular_values(bases_k), summary_k)
+    bases_k = form(gate_bases(bases_k, gates)) if gates is not None else bases_of(k)
     return LayerSpanMemory(
         span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
-        summary_v, form(bases_k), form(bases_v),
+        summary_v, bases_k, bases_of(v),
     )
 
 

@@ -12,8 +12,10 @@ from sekv_vllm.core import (
     fit_span_bases,
     rebuild_spans,
     segment_prompt,
+    singular_values,
     summarize_spans,
 )
+from sekv_vllm.core.low_rank import rebuild_spans_of, rows_if_smaller, span_rows
 from sekv_vllm.policies import POLICIES, RouterPolicy, budgeted_zoom, make_policy
 from sekv_vllm.router import ModelShape, ZoomRouter
 
@@ -89,6 +91,27 @@ def test_rebuild_is_lossless_at_full_rank_and_rows_keep_span_order():
     want = torch.cat([k[layout.span_start[i]: layout.span_start[i] + layout.span_len[i]] for i in ids])
     assert torch.allclose(rows, want, atol=1e-4)
     assert row_span.tolist() == sum(([int(i)] * int(layout.span_len[i]) for i in ids), [])
+
+
+@pytest.mark.parametrize("max_span, r_max", [(32, 32), (32, 8), (80, 16)])  # L < D (X X^T) and L >= D (X^T X)
+def test_span_factors_equal_a_truncated_svd(max_span, r_max):
+    _, k, _, s = make_prompt(400, seed=4, rank=12)
+    k[100:140] = torch.randn(40, HKV, D)  # some spans of full rank
+    layout = segment_prompt(s, window=10, alpha=1.0, l_min=4, max_span=max_span)
+    bases = fit_span_bases(k, layout.span_start, layout.span_len, r_max=r_max)
+    got = singular_values(bases)
+    for i in range(layout.num_spans):
+        start, n = int(layout.span_start[i]), int(layout.span_len[i])
+        x = k[start : start + n].permute(1, 0, 2)  # [Hkv, n, D]
+        u, sv, vh = torch.linalg.svd(x, full_matrices=False)
+        r = min(r_max, n)
+        want_rows = u[..., :r] * sv[:, None, :r] @ vh[:, :r]
+        (rows,), _ = rebuild_spans_of(torch.tensor([i]), bases)
+        assert torch.allclose(rows.permute(1, 0, 2), want_rows, atol=2e-4 * float(sv.max()))
+        assert torch.allclose(got[i, :, :r], sv[:, :r], atol=1e-3 * float(sv.max()))
+    if r_max >= max_span:  # factors rebuild exactly: the rows kept as they are equal them
+        exact = span_rows(k, layout.span_start, layout.span_len)
+        assert not exact.factored and torch.allclose(rows_if_smaller(bases).coef, exact.coef, atol=1e-4)
 
 
 def test_summary_is_surprisal_weighted_mean_and_uniform_when_weights_vanish():
@@ -210,3 +233,4 @@ def test_budgeted_zoom_takes_highest_scores_first():
     lens = torch.tensor([10, 10, 10, 10])
     zoom = budgeted_zoom(score, lens, zoom_budget=20, num_kv_heads=1)
     assert zoom[0].tolist() == [False, True, False, True]
+
