@@ -1,4 +1,4 @@
-"""Do the in-engine SnapKV and StreamingLLM keep the rows kvpress's presses keep?
+"""Do the in-engine row-keeping methods (SnapKV, StreamingLLM, TOVA) keep the rows kvpress's presses keep?
 
     python -m benchmarks.peers.kvpress_agreement          # 4 of the suite's prompts (1K-2K), budgets 0.25 and 0.5
 
@@ -28,7 +28,8 @@ VENV = Path(os.environ.get("SEKV_KVPRESS_VENV", REPO / ".venv-kvpress"))
 PROMPTS = (("needle", 1000, 0), ("needle", 2000, 1), ("niah_multikey", 1000, 2), ("vt", 2000, 3))
 # sekv method -> (kvpress press, its settings as sekv names them -> kvpress's names)
 PRESSES = {"snapkv": ("SnapKVPress", {"observation_window": "window_size", "pooling_kernel": "kernel_size"}),
-           "streaming_llm": ("StreamingLLMPress", {"sink_tokens": "n_sink"})}
+           "streaming_llm": ("StreamingLLMPress", {"sink_tokens": "n_sink"}),
+           "tova": ("TOVAPress", {})}
 
 
 def _layer_kept(press, method, module, hidden_states, keys, kwargs, budget: float):

@@ -5,14 +5,16 @@ import sys
 
 import pytest
 
+from sekv_vllm.methods import ROW_METHODS
+
 
 @pytest.mark.kvpress
-def test_snapkv_and_streaming_llm_keep_what_kvpress_keeps_on_real_prompts(tmp_path):
+def test_every_row_keeping_method_keeps_what_its_kvpress_press_keeps_on_real_prompts(tmp_path):
     out = tmp_path / "agreement.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.peers.kvpress_agreement", "--budgets", "0.25",
                            "--out", str(out)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert sorted(r["method"] for r in results) == ["snapkv", "streaming_llm"]
+    assert sorted(r["method"] for r in results) == sorted(ROW_METHODS)
     for r in results:  # 4 prompts x 30 layers x 3 KV heads
         assert r["layer_heads"] == 360 and r["identical_layer_heads"] == 360, r

@@ -6,7 +6,7 @@ import torch
 
 from sekv_vllm.config import SeKVConfig, SeKVConfigError
 from sekv_vllm.core import exact_attention
-from sekv_vllm.methods import ROW_METHODS, PromptRows, SnapKV, StreamingLLM, gather_kept
+from sekv_vllm.methods import ROW_METHODS, TOVA, PromptRows, SnapKV, StreamingLLM, gather_kept
 from sekv_vllm.runtime import SeKVRuntime, Status
 
 H, HKV, D, T = 6, 2, 16, 300
@@ -52,6 +52,19 @@ def test_streaming_llm_keeps_sinks_and_the_most_recent_rows():
     kept = StreamingLLM(sink_tokens=4).keep(prompt(W=0), 50)
     assert torch.equal(kept, torch.cat([torch.arange(4), torch.arange(T - 46, T)]).expand(HKV, 50))
     assert torch.equal(StreamingLLM(sink_tokens=4).keep(prompt(W=0), T), torch.arange(T).expand(HKV, T))
+
+
+def test_tova_keeps_the_last_row_and_what_the_last_query_attends_to_averaged_over_every_head():
+    rows = prompt(seed=3, W=1)
+    group = H // HKV
+    attn = torch.stack([torch.softmax(rows.k[:, h // group] @ rows.queries[0, h] / math.sqrt(D), 0) for h in range(H)])
+    ref = attn[:, : T - 1].mean(0)  # one score per row for every KV head
+    method = TOVA()
+    assert method.query_window == 1 and torch.allclose(method.scores(rows), ref, atol=1e-6)
+    kept = method.keep(rows, 40)
+    want = sorted(ref.topk(39).indices.tolist() + [T - 1])
+    assert kept.shape == (HKV, 40) and all(kept[h].tolist() == want for h in range(HKV))
+    assert torch.equal(method.keep(rows, 1), torch.tensor([[T - 1]] * HKV))
 
 
 def test_gather_kept_takes_each_heads_own_positions():
@@ -108,18 +121,18 @@ def test_snapkv_decodes_over_the_rows_it_chose_from_the_captured_queries():
 
 def test_a_batch_of_methods_gives_each_request_what_it_gets_alone():
     rt = runtime("sekv", budget_ratio=0.5, zoom_policy="span_score")
-    ids = {"a": None, "b": {"sekv_method": "snapkv"}, "c": {"sekv_method": "streaming_llm"}}
+    ids = {"a": None, **{f"r-{m}": {"sekv_method": m} for m in sorted(ROW_METHODS)}}
     for i, (r, extra) in enumerate(ids.items()):
         rt.admit(r, T, extra)
         if rt.needs_surprisal(r):
             rt.record_surprisal(r, torch.arange(1, T), torch.rand(T - 1, generator=torch.Generator().manual_seed(i)) * 5)
         prefill(rt, r, seed=i)
         assert rt.compress(r).status is Status.COMPRESSED
-    q = torch.randn(3, H, D)
+    q = torch.randn(len(ids), H, D)
     together = rt.attend_batch(list(ids), "l0", q, 0.25)
     for i, r in enumerate(ids):
         assert torch.allclose(together[i], rt.attend_batch([r], "l0", q[i : i + 1], 0.25)[0], atol=1e-6)
-    assert [rt.figures(r)["method"] for r in ids] == ["sekv", "snapkv", "streaming_llm"]
+    assert [rt.figures(r)["method"] for r in ids] == ["sekv", *sorted(ROW_METHODS)]
 
 
 def test_a_prompt_inside_the_observation_window_keeps_full_kv():
@@ -134,7 +147,7 @@ def test_settings_of_another_method_are_refused_naming_the_field():
         SeKVConfig.from_additional_config({"sekv": {"sink_tokens": 2}})
     with pytest.raises(SeKVConfigError, match=r"sekv\.pooling_kernel: .*must be odd"):
         SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "pooling_kernel": 4}})
-    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm' or 'snapkv'"):
+    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm', 'snapkv' or 'tova'"):
         SeKVConfig.from_additional_config({"sekv": {"method": "h2o"}})
     config = SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "observation_window": 32}})
     assert SeKVConfig.from_additional_config({"sekv": config.normalised()}).row_method("snapkv") == SnapKV(observation_window=32)
