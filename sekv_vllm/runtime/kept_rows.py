@@ -6,12 +6,17 @@ output stays at full resolution (no eviction during decode yet).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
 from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.request_state import RequestMemory, Status, row_bytes
 from sekv_vllm.runtime.row_buffer import RowBuffer
+
+logger = logging.getLogger("sekv_vllm")
 
 
 def keep_prompt_rows(method: RowKeepingMethod, captured: dict[str, RowBuffer], queries: dict[str, torch.Tensor],
@@ -28,6 +33,32 @@ def keep_prompt_rows(method: RowKeepingMethod, captured: dict[str, RowBuffer], q
         k_kept, v_kept = torch.cat([k_kept, k[prompt_len:]]), torch.cat([v_kept, v[prompt_len:]])
         kept[name] = PagedRows.of_rows(k_kept, v_kept, block, spare=spare)
     return kept
+
+
+def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, block: int, spare: int) -> None:
+    """A prefilled request compressed by a row-keeping method: the prompt rows it keeps per KV head (the
+    rest evicted) in pages of `block` rows with room for `spare` more, its figures."""
+    n_keep = min(mem.budget, mem.prompt_len)
+    mem.rows = keep_prompt_rows(method, mem.captured, mem.queries, mem.prompt_len, n_keep, block, spare)
+    first = next(iter(mem.captured.values()))
+    mem.next_position = first.length
+    mem.captured, mem.queries = {}, {}
+    mem.status = Status.COMPRESSED
+    row, L = row_bytes(next(iter(mem.rows.values()))), len(mem.rows)
+    mem.figures = {
+        "req_id": mem.req_id,
+        "method": mem.method,
+        "prompt_tokens": mem.prompt_len,
+        "budget_rows": mem.budget,
+        "kept_prompt_rows": n_keep,
+        "spans": 0,
+        "full_kv_bytes": mem.prompt_len * row * L,
+        "fast_tier_bytes": n_keep * row * L,
+        "host_pool_bytes": 0,
+    }
+    mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
+    logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head", mem.req_id,
+                mem.method, mem.prompt_len, n_keep)
 
 
 def attend_kept(rows: list[PagedRows], q: torch.Tensor, scale: float) -> torch.Tensor:

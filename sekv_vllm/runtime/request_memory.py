@@ -8,7 +8,6 @@ the same way (`spanify_window`) -> released when it finishes or aborts (kept whi
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -18,42 +17,22 @@ from types import ModuleType
 import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
-from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
+from sekv_vllm.core import LayerSpanMemory
 from sekv_vllm.methods import ROW_METHODS, SEKV, RowKeepingMethod
 from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
-from sekv_vllm.runtime.kept_rows import attend_kept, keep_prompt_rows
-from sekv_vllm.runtime.paged_rows import PagedRows
-from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status
+from sekv_vllm.runtime.kept_rows import attend_kept, compress_kept_rows
+from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal, running_figures
 from sekv_vllm.runtime.row_buffer import RowBuffer
+from sekv_vllm.runtime.row_placement import (
+    OWN_BLOCK, add_pages, in_engine_pages, make_room, place_rows, rows_to_own_pages,
+)
+from sekv_vllm.runtime.span_compression import SpanCompression
 from sekv_vllm.runtime.span_decoder import SpanDecoder
 
 logger = logging.getLogger("sekv_vllm")
-# Rows per page of a request's own pages (before the engine's are handed over, and in tests).
-OWN_BLOCK = 64
-
-
-def _reserve_surprisal(mem: RequestMemory, n: int) -> None:
-    """Room for the surprisal of positions [0, n) (zeros where none was recorded)."""
-    if n > mem.surprisal.numel():
-        grown = torch.zeros(max(n, 2 * mem.surprisal.numel()), dtype=torch.float32)
-        grown[: mem.surprisal.numel()] = mem.surprisal
-        mem.surprisal = grown
-
-
-def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
-    """The prompt's layout under a budget of rows per decode step, and the rows left for zoomed spans.
-
-    surprisal: [T] float. The layout gets (1 - zoom_share) of the budget; anchors are demoted
-    until it fits (or only token 0 is left).
-    """
-    layout = segment_prompt(
-        surprisal, window=config.window, alpha=config.alpha, l_min=config.l_min,
-        max_span=config.max_span, budget=int(budget * (1 - config.zoom_share)),
-    )
-    return layout, max(budget - layout.base_rows, 0)
 
 
 class SeKVRuntime:
@@ -74,6 +53,7 @@ class SeKVRuntime:
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
         self.spans = SpanDecoder(self.policy, self.pool, config.max_span)
+        self.span_compression = SpanCompression(config, layer_names, self.policy, self.pool, OWN_BLOCK)
         self.kernel: ModuleType | None = self._load_kernel(config.decode_kernel)
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
@@ -148,7 +128,7 @@ class SeKVRuntime:
         surprisal there."""
         mem = self.requests[req_id]
         if positions.numel():
-            _reserve_surprisal(mem, int(positions.max()) + 1)
+            reserve_surprisal(mem, int(positions.max()) + 1)
         mem.surprisal[positions] = values.float()
 
     def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor,
@@ -195,82 +175,14 @@ class SeKVRuntime:
             return self._keep_full(mem, "prompt rows were not captured in every layer")
         if mem.method in self.row_methods:
             return self._compress_kept_rows(mem)
-        surprisal = mem.surprisal[: mem.prompt_len]
-        layout, zoom_budget = plan_layout(surprisal, mem.budget, cfg)
-        zoom_all = zoom_budget >= layout.span_tokens - layout.num_spans
-        if layout.num_spans == 0:
-            return self._keep_full(mem, "no span of at least l_min tokens outside the window")
-        T = mem.prompt_len
-        for i, name in enumerate(self.layer_names):
-            k, v = mem.captured[name].view()
-            layer = compress_layer(k[:T], v[:T], layout, surprisal, cfg.r_max,
-                                   0 if zoom_all else cfg.score_centroids, cfg.score_bits,
-                                   None if zoom_all else functools.partial(self.policy.key_gates, i))
-            if not self.pool.store(req_id, name, layer, layer.bases_nbytes):
-                self.pool.release(req_id)
-                logger.warning(
-                    "sekv: host pool full (%d of %d bytes used): request %s keeps full KV",
-                    self.pool.used_bytes, self.pool.capacity_bytes, req_id,
-                )
-                return self._keep_full(mem, "host pool full")
-        # Keep only the full-resolution rows; rows past the prompt (a resumed request's
-        # earlier output) stay as window rows.
-        mem.next_position = mem.captured[self.layer_names[0]].length
-        keep = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, mem.next_position)])
-        for name in self.layer_names:
-            k, v = mem.captured[name].view()
-            mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], OWN_BLOCK, spare=cfg.window + cfg.window_growth)
-        mem.captured = {}
-        if self.kernel is not None and k.dtype != torch.float32:
+        reason = self.span_compression.compress_prompt(mem)
+        if reason:
+            return self._keep_full(mem, reason)
+        if self.kernel is not None and mem.rows[self.layer_names[0]].pages.dtype != torch.float32:
             # `decode_kernel: cpp` with such a cache is refused at start-up (shims_v032.py)
             logger.warning("sekv: the C++ decode kernel reads float32 KV rows, these are %s: decoding with "
-                           "the torch ops", k.dtype)
+                           "the torch ops", mem.rows[self.layer_names[0]].pages.dtype)
             self.kernel = None
-        if not zoom_all:
-            for i, name in enumerate(self.layer_names):
-                feats = self.policy.key_features(i, self.pool.load(req_id, name).keys)
-                if feats is not None:
-                    mem.key_features[name] = feats
-        mem.layout = layout
-        mem.window_row, mem.window_pos = int(layout.fixed_pos.numel()), layout.window_start
-        mem.zoom_budget, mem.zoom_all = zoom_budget, zoom_all
-        mem.status = Status.COMPRESSED
-        L = len(self.layer_names)
-        row_bytes = self._row_bytes(mem)
-        span_fast_bytes = sum(self.pool.load(req_id, name).fast_tier_nbytes for name in self.layer_names)
-        span_fast_bytes += sum(f.numel() * f.element_size() for f in mem.key_features.values())
-        mem.figures = {
-            "req_id": req_id,
-            "method": SEKV,
-            "prompt_tokens": mem.prompt_len,
-            "budget_rows": mem.budget,
-            "spans": layout.num_spans,
-            "span_tokens": layout.span_tokens,
-            "anchor_and_short_tokens": int(layout.fixed_pos.numel()),
-            "window_tokens": mem.prompt_len - layout.window_start,
-            "base_rows": layout.base_rows,
-            "zoom_budget_rows": mem.zoom_budget,
-            "budget_exceeded_by_base": max(layout.base_rows - mem.budget, 0),
-            "full_kv_bytes": mem.prompt_len * row_bytes * L,
-            # what the method needs in the fast tier: fixed rows + summaries, scoring centroids and
-            # the policy's key features + zoom scratch
-            "fast_tier_bytes": (layout.num_fixed * row_bytes * L + span_fast_bytes
-                                + mem.zoom_budget * row_bytes * L),
-            "host_pool_bytes": self.pool.owner_bytes(req_id),
-        }
-        mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
-        if layout.base_rows > mem.budget:
-            logger.warning(
-                "sekv: request %s: anchors + window + summaries need %d rows, budget is %d; "
-                "serving it at the smallest layout", req_id, layout.base_rows, mem.budget,
-            )
-        logger.info(
-            "sekv: compressed %s: %d prompt tokens -> %d spans (%d tokens), %d anchor/short, "
-            "%d window; fast tier %.1f%% of full KV; host pool %d bytes",
-            req_id, mem.prompt_len, layout.num_spans, layout.span_tokens,
-            layout.fixed_pos.numel(), mem.figures["window_tokens"],
-            100 * mem.figures["fast_tier_fraction"], mem.figures["host_pool_bytes"],
-        )
         return mem
 
     def _compress_kept_rows(self, mem: RequestMemory) -> RequestMemory:
@@ -278,152 +190,35 @@ class SeKVRuntime:
         method = self.row_methods[mem.method]
         if method.query_window and set(mem.queries) != set(self.layer_names):
             return self._keep_full(mem, "prompt queries were not captured in every layer")
-        n_keep = min(mem.budget, mem.prompt_len)
-        mem.rows = keep_prompt_rows(method, mem.captured, mem.queries, mem.prompt_len, n_keep, OWN_BLOCK,
-                                    spare=self.config.window_growth + 1)
-        mem.next_position = mem.captured[self.layer_names[0]].length
-        mem.captured, mem.queries = {}, {}
-        mem.status = Status.COMPRESSED
-        row_bytes, L = self._row_bytes(mem), len(self.layer_names)
-        mem.figures = {
-            "req_id": mem.req_id,
-            "method": mem.method,
-            "prompt_tokens": mem.prompt_len,
-            "budget_rows": mem.budget,
-            "kept_prompt_rows": n_keep,
-            "spans": 0,
-            "full_kv_bytes": mem.prompt_len * row_bytes * L,
-            "fast_tier_bytes": n_keep * row_bytes * L,
-            "host_pool_bytes": 0,
-        }
-        mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
-        logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head", mem.req_id,
-                    mem.method, mem.prompt_len, n_keep)
+        compress_kept_rows(method, mem, OWN_BLOCK, spare=self.config.window_growth + 1)
         return mem
 
     # -- decode: the window outgrows its limit ----------------------------------------------
     def window_due(self, req_id: str) -> bool:
         """Whether a compressed request's window holds `window` + `window_growth` rows or more."""
-        mem = self.requests.get(req_id)
-        growth = self.config.window_growth
-        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and mem.method == SEKV
-                and not mem.suspended
-                and mem.next_position - mem.window_pos >= self.config.window + growth
-                and mem.next_position >= mem.spanify_from)
+        return self.span_compression.window_due(self.requests.get(req_id))
 
     def spanify_window(self, req_id: str) -> SpanifiedRows | None:
-        """Segment and compress the oldest rows of a compressed request's window (all but its last
-        `window`), output included, as its prompt was: by the surprisal of those tokens (the prompt's
-        threshold), into anchors and short runs kept at full resolution and spans appended to every
-        layer's compressed memory (summaries and scoring keys in the fast tier, rows or factors in the
-        host pool). Call it between steps, when every layer holds the same rows. None when no span
-        formed (the rows stay at full resolution) or the host pool cannot take the spans (logged; tried
-        again after `window_growth` more tokens).
-        """
-        mem, cfg = self.requests[req_id], self.config
-        start, stop = mem.window_pos, mem.next_position - cfg.window
-        n, r0 = stop - start, mem.window_row
-        _reserve_surprisal(mem, stop)
-        surprisal = mem.surprisal[start:stop]
-        # The prompt's threshold: a stretch of repetitive output would make anchors of its few
-        # less predictable tokens by its own statistics.
-        layout = segment_prompt(surprisal, window=0, alpha=cfg.alpha, l_min=cfg.l_min, max_span=cfg.max_span,
-                                first_anchor=False, theta=surprisal_threshold(mem.surprisal[: mem.prompt_len], cfg.alpha))
-        if layout.num_spans == 0:
-            mem.window_row, mem.window_pos = r0 + n, stop
-            return None
-        rows = {name: mem.rows[name].view() for name in self.layer_names}
-        merged, fast_bytes, added_bytes = {}, 0, 0
-        for i, name in enumerate(self.layer_names):
-            k, v = rows[name]
-            memory = self.pool.load(req_id, name)
-            part = compress_layer(k[r0 : r0 + n], v[r0 : r0 + n], layout, surprisal, cfg.r_max,
-                                  0 if mem.zoom_all else cfg.score_centroids, cfg.score_bits,
-                                  None if mem.zoom_all else functools.partial(self.policy.key_gates, i),
-                                  store_rows=not memory.bases_k.factored)
-            merged[name] = append_spans(memory, part)
-            fast_bytes += part.fast_tier_nbytes
-            added_bytes += merged[name].bases_nbytes - memory.bases_nbytes
-        if not self.pool.fits(added_bytes):
-            mem.spanify_from = mem.next_position + cfg.window_growth
-            logger.warning("sekv: host pool full (%d of %d bytes used): request %s keeps its last %d rows at full "
-                           "resolution", self.pool.used_bytes, self.pool.capacity_bytes, req_id, n + cfg.window)
-            return None
-        for i, name in enumerate(self.layer_names):
-            self.pool.store(req_id, name, merged[name], merged[name].bases_nbytes)
-            if not mem.zoom_all:
-                old = mem.key_features.get(name)
-                feats = self.policy.key_features(i, merged[name].keys)
-                if feats is not None:
-                    mem.key_features[name] = feats
-                    fast_bytes += (feats.numel() - (old.numel() if old is not None else 0)) * feats.element_size()
-        keep = torch.cat([torch.arange(r0), r0 + layout.fixed_pos, torch.arange(r0 + n, mem.rows[self.layer_names[0]].length)])
-        for name, (k, v) in rows.items():
-            mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], OWN_BLOCK, spare=cfg.window_growth + 1)
-        # The budget grows with the compressed text at the request's ratio; what its new anchors and
-        # summaries do not take goes to zoomed spans.
-        num_fixed = int(layout.fixed_pos.numel())
-        zoom_rows = max(math.ceil(n * mem.budget / mem.prompt_len) - num_fixed - layout.num_spans, 0)
-        mem.zoom_budget += zoom_rows
-        mem.window_row, mem.window_pos = r0 + num_fixed, stop
-        mem.output_spans += layout.num_spans
-        mem.output_span_tokens += layout.span_tokens
-        mem.output_fixed_tokens += num_fixed
-        self.spans.forget(req_id)
-        fast_bytes += (num_fixed + zoom_rows) * self._row_bytes(mem) * len(self.layer_names)
-        mem.output_fast_tier_bytes += fast_bytes
-        logger.info("sekv: %s: window rows %d-%d -> %d spans (%d tokens), %d anchor/short; host pool %d bytes",
-                    req_id, start, stop, layout.num_spans, layout.span_tokens, num_fixed, self.pool.owner_bytes(req_id))
-        return SpanifiedRows(start, stop, layout.num_spans, fast_bytes)
+        """The oldest rows of a SeKV request's window compressed into spans (`SpanCompression.spanify_window`)."""
+        part = self.span_compression.spanify_window(self.requests[req_id])
+        if part is not None:
+            self.spans.forget(req_id)
+        return part
 
-    def _row_bytes(self, mem: RequestMemory) -> int:
-        """Bytes of one row (K and V of every KV head) of one layer."""
-        rows = mem.rows[self.layer_names[0]]
-        Hkv, D = rows.row_shape
-        return 2 * Hkv * D * rows.pages.element_size()
-
-    # -- where the rows live ---------------------------------------------------------------
+    # -- where the rows live (row_placement.py) ---------------------------------------------
     def place_rows(self, req_id: str, pages: dict[str, torch.Tensor], table: torch.Tensor) -> bool:
-        """Move a compressed request's full-resolution rows into the engine's pages: pages[layer]
-        [P, 2, block, Hkv, D] (the engine's KV cache of that layer, reinterpreted), table [m] int64 the
-        request's pages in the order its rows fill them (the kept ones; later ones come with
-        `add_pages`). False (rows left where they are, logged) when they do not fit."""
-        mem = self.requests[req_id]
-        block = next(iter(pages.values())).shape[2]
-        if table.numel() * block < mem.rows[self.layer_names[0]].length:
-            logger.warning("sekv: %s: %d rows do not fit its %d kept pages; they stay in sekv's own memory",
-                           req_id, mem.rows[self.layer_names[0]].length, table.numel())
-            return False
-        for name in self.layer_names:
-            mem.rows[name] = mem.rows[name].place(pages[name], table)
-        return True
+        """A compressed request's full-resolution rows into the engine's pages (`row_placement.place_rows`)."""
+        return place_rows(self.requests[req_id], pages, table)
 
     def add_pages(self, req_id: str, table: torch.Tensor) -> None:
         """More engine pages for a request whose rows are in the engine's pages (its output grows)."""
-        mem = self.requests[req_id]
-        for rows in mem.rows.values():
-            if not rows.own:
-                rows.table = torch.cat([rows.table, table.to(torch.int64)])
+        add_pages(self.requests[req_id], table)
 
     def rows_in_engine_pages(self, req_id: str) -> bool:
-        mem = self.requests.get(req_id)
-        return mem is not None and bool(mem.rows) and not mem.rows[self.layer_names[0]].own
+        return in_engine_pages(self.requests.get(req_id))
 
     def _make_room(self, mem: RequestMemory, layer_name: str, n: int) -> None:
-        """Room for n more rows; engine pages that ran out (the engine handed none over in time) are
-        left for pages of sekv's own, logged: the request goes on."""
-        rows = mem.rows[layer_name]
-        if rows.own or rows.length + n <= rows.capacity:
-            return
-        logger.warning("sekv: %s: its engine pages are full; its rows move to sekv's own memory", mem.req_id)
-        self._rows_to_own_pages(mem, spare=self.config.window_growth + n)
-
-    @staticmethod
-    def _rows_to_own_pages(mem: RequestMemory, spare: int) -> None:
-        """Copy a request's rows out of the engine's pages into pages of its own (room for `spare` more)."""
-        for name, rows in mem.rows.items():
-            if not rows.own:
-                mem.rows[name] = PagedRows.of_rows(*rows.view(), OWN_BLOCK, spare=spare)
+        make_room(mem, layer_name, n, spare=self.config.window_growth)
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
         mem.status, mem.reason, mem.rows, mem.captured = Status.FULL_KV, reason, {}, {}
@@ -497,23 +292,7 @@ class SeKVRuntime:
     def figures(self, req_id: str) -> dict:
         """Figures of a compressed request so far (empty if it is not compressed)."""
         mem = self.requests[req_id]
-        if not mem.figures:
-            return {}
-        return dict(
-            mem.figures,
-            decode_steps=mem.decode_calls // max(len(self.layer_names), 1),
-            mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
-            output_spans=mem.output_spans,
-            output_span_tokens=mem.output_span_tokens,
-            output_anchor_and_short_tokens=mem.output_fixed_tokens,
-            # mean surprisal of the output tokens spanified so far (nats)
-            output_mean_surprisal=float(mem.surprisal[mem.prompt_len : mem.window_pos].mean())
-            if mem.window_pos > mem.prompt_len else 0.0,
-            output_fast_tier_bytes=mem.output_fast_tier_bytes,
-            full_resolution_rows=mem.rows[self.layer_names[0]].length,
-            rows_in_vllm_pages=not mem.rows[self.layer_names[0]].own,
-            host_pool_bytes_now=self.pool.owner_bytes(req_id),
-        )
+        return running_figures(mem, len(self.layer_names), self.pool.owner_bytes(req_id)) if mem.figures else {}
 
     def suspend(self, req_id: str) -> None:
         """A compressed request was preempted: keep its state (host pool, rows) for the recompute
@@ -526,7 +305,7 @@ class SeKVRuntime:
         if mem.suspended:
             return
         mem.suspended = True
-        self._rows_to_own_pages(mem, spare=self.config.window_growth)
+        rows_to_own_pages(mem, spare=self.config.window_growth)
         logger.info("sekv: %s preempted; its compressed state (%d host-pool bytes) is kept for its recompute",
                     req_id, self.pool.owner_bytes(req_id))
 

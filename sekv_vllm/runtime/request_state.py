@@ -74,3 +74,37 @@ class SpanifiedRows:
     stop: int
     spans: int
     fast_tier_bytes: int
+
+
+def reserve_surprisal(mem: RequestMemory, n: int) -> None:
+    """Room for the surprisal of positions [0, n) (zeros where none was recorded)."""
+    if n > mem.surprisal.numel():
+        grown = torch.zeros(max(n, 2 * mem.surprisal.numel()), dtype=torch.float32)
+        grown[: mem.surprisal.numel()] = mem.surprisal
+        mem.surprisal = grown
+
+
+def row_bytes(rows: PagedRows) -> int:
+    """Bytes of one row (K and V of every KV head) of one layer."""
+    Hkv, D = rows.row_shape
+    return 2 * Hkv * D * rows.pages.element_size()
+
+
+def running_figures(mem: RequestMemory, num_layers: int, host_pool_bytes_now: int) -> dict:
+    """A compressed request's figures at compression (`mem.figures`) and since: decode, output spanified."""
+    first = next(iter(mem.rows.values()))
+    return dict(
+        mem.figures,
+        decode_steps=mem.decode_calls // max(num_layers, 1),
+        mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
+        output_spans=mem.output_spans,
+        output_span_tokens=mem.output_span_tokens,
+        output_anchor_and_short_tokens=mem.output_fixed_tokens,
+        # mean surprisal of the output tokens spanified so far (nats)
+        output_mean_surprisal=float(mem.surprisal[mem.prompt_len : mem.window_pos].mean())
+        if mem.window_pos > mem.prompt_len else 0.0,
+        output_fast_tier_bytes=mem.output_fast_tier_bytes,
+        full_resolution_rows=first.length,
+        rows_in_vllm_pages=not first.own,
+        host_pool_bytes_now=host_pool_bytes_now,
+    )

@@ -64,24 +64,29 @@ class BatchSpans:
         return torch.cat([m.summary_v for m in self.layers])
 
     @functools.cached_property
-    def kernel_spans(self) -> tuple:
-        """The C++ kernel's per-request span inputs: summary_k, summary_v, span_len, centroid_k (or the
-        codes), log_count, centroid_lo, centroid_step (empty where not quantized), then code_bits."""
+    def kernel_spans(self) -> dict[str, list[torch.Tensor] | int]:
+        """The C++ kernel's per-request span inputs, by argument name: centroid_k holds the codes where keys
+        are quantized (centroid_lo, centroid_step then, empty lists otherwise), code_bits their bits."""
         m = self.layers
         codes = [x.keys.codes for x in m]
         bits = max((c.bits for c in codes if c is not None), default=0)
-        return ([x.keys.summary_k for x in m], [x.summary_v for x in m], [x.keys.span_len for x in m],
-                [x.keys.centroid_k if c is None else c.codes for x, c in zip(m, codes)],
-                [x.keys.log_count for x in m],
-                [_NO_CODES if c is None else c.lo for c in codes] if bits else [],
-                [_NO_CODES if c is None else c.step for c in codes] if bits else [], bits)
+        return {
+            "summary_k": [x.keys.summary_k for x in m], "summary_v": [x.summary_v for x in m],
+            "span_len": [x.keys.span_len for x in m],
+            "centroid_k": [x.keys.centroid_k if c is None else c.codes for x, c in zip(m, codes)],
+            "log_count": [x.keys.log_count for x in m],
+            "centroid_lo": [_NO_CODES if c is None else c.lo for c in codes] if bits else [],
+            "centroid_step": [_NO_CODES if c is None else c.step for c in codes] if bits else [],
+            "code_bits": bits,
+        }
 
     @functools.cached_property
-    def kernel_bases(self) -> tuple[list[torch.Tensor], ...]:
-        """The C++ kernel's per-request host-pool inputs: coef_k, basis_k, coef_v, basis_v, row_offset."""
+    def kernel_bases(self) -> dict[str, list[torch.Tensor]]:
+        """The C++ kernel's per-request host-pool inputs, by argument name."""
         m = self.layers
-        return ([x.bases_k.coef for x in m], [_basis(x.bases_k) for x in m], [x.bases_v.coef for x in m],
-                [_basis(x.bases_v) for x in m], [x.bases_k.row_offset for x in m])
+        return {"coef_k": [x.bases_k.coef for x in m], "basis_k": [_basis(x.bases_k) for x in m],
+                "coef_v": [x.bases_v.coef for x in m], "basis_v": [_basis(x.bases_v) for x in m],
+                "row_offset": [x.bases_k.row_offset for x in m]}
 
 
 class SpanDecoder:
@@ -129,14 +134,16 @@ class SpanDecoder:
         """The C++ kernel: q [B, H, D], each request's rows (room made for new_k, new_v [B, Hkv, D], which
         it writes in place) -> (out [B, H, D] float32, zoomed spans [B] int64)."""
         terms = self.policy.query_terms(layer, q, scale)
+        learned = terms.features is not None
         return kernel.span_decode(
-            q.float().contiguous(), [b.pages for b in rows], [b.table for b in rows],
-            torch.tensor([b.length for b in rows], dtype=torch.int64),
-            _NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
-            _NO_NEW_ROWS if new_v is None else new_v.float().contiguous(), *batch.kernel_spans,
-            list(batch.features) if terms.features is not None else [], *batch.kernel_bases,
-            batch.budgets, batch.zoom_all, terms.features if terms.features is not None else _NO_QUERY_FEATURES,
-            terms.bias, terms.threshold, scale, terms.score_scale,
+            q=q.float().contiguous(), row_pages=[b.pages for b in rows], page_table=[b.table for b in rows],
+            num_full=torch.tensor([b.length for b in rows], dtype=torch.int64),
+            new_k=_NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
+            new_v=_NO_NEW_ROWS if new_v is None else new_v.float().contiguous(),
+            **batch.kernel_spans, **batch.kernel_bases,
+            key_features=list(batch.features) if learned else [], budgets=batch.budgets, zoom_all=batch.zoom_all,
+            query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
+            threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
         )
 
     def attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,

@@ -234,3 +234,11 @@ def test_budgeted_zoom_takes_highest_scores_first():
     zoom = budgeted_zoom(score, lens, zoom_budget=20, num_kv_heads=1)
     assert zoom[0].tolist() == [False, True, False, True]
 
+
+def test_token_surprisal_is_minus_the_log_probability_of_the_token():
+    from sekv_vllm.core.surprisal import token_surprisal
+
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    targets = torch.tensor([0, 7, 39, 7, 3])
+    want = -torch.log_softmax(logits.float(), dim=-1)[torch.arange(5), targets]
+    assert torch.allclose(token_surprisal(logits, targets), want, atol=1e-5)

@@ -21,7 +21,6 @@ naming the cause); its sekv state is freed either way, and the other requests go
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,8 +30,9 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 from sekv_vllm.config import SeKVConfig
+from sekv_vllm.core.surprisal import token_surprisal
 from sekv_vllm.integration.vllm import kv_pages, request_failures
-from sekv_vllm.integration.vllm.kv_pages import PageRange
+from sekv_vllm.integration.vllm.page_plans import PagePlans
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
 
@@ -68,11 +68,10 @@ class RunnerBridge:
         model_name = Path(runner.vllm_config.model_config.model).name
         self.runtime = SeKVRuntime(config, list(self.layers), shape, model_name)
         kv_pages.on_request_freed(self._on_pages_freed)
-        # Page ranges of compressed requests, filed again when a preempted one resumes.
-        self._page_plans: dict[str, list[PageRange]] = {}
-        # Per compressed request: (position, logsumexp, logits [vocab] float32) of the token the last
-        # step's logits predict; its surprisal is known once that token is sampled.
-        self._pending_logits: dict[str, tuple[int, float, torch.Tensor]] = {}
+        self._page_plans = PagePlans()
+        # Per compressed request: (position, logits [vocab] float32) of the token the last step's logits
+        # predict; its surprisal is known once that token is sampled.
+        self._pending_logits: dict[str, tuple[int, torch.Tensor]] = {}
         # Compressed requests whose rows were put in vLLM's pages: how many of their block ids were handed over.
         self._placed: dict[str, int] = {}
         self._kv_pages: dict[str, torch.Tensor] | None = None
@@ -108,8 +107,7 @@ class RunnerBridge:
         mem = self.runtime.get(req_id)
         if mem is not None and mem.suspended:
             self.runtime.resume(req_id)
-            if req_id in self._page_plans:
-                kv_pages.plan_release(req_id, self._page_plans[req_id])
+            self._page_plans.refile(req_id)
             return
         state = self.runner.requests.get(req_id)
         if state is None:
@@ -181,10 +179,9 @@ class RunnerBridge:
 
     def drop(self, req_id: str, outcome: str = "failed") -> None:
         """Free everything sekv holds for a request (both tiers, page plans), whatever its state."""
-        self._page_plans.pop(req_id, None)
+        self._page_plans.forget(req_id)
         self._pending_logits.pop(req_id, None)
         self._placed.pop(req_id, None)
-        kv_pages.forget_plan(req_id)
         self.runtime.release(req_id, outcome=outcome)
 
     def step_failed(self) -> bool:
@@ -244,52 +241,31 @@ class RunnerBridge:
                 continue
             before = self._pending_logits.pop(req_id, None)
             if before is not None:
-                position, lse, row = before
+                position, row = before
                 j = position - len(req.prompt_token_ids)
                 if 0 <= j < len(req.output_token_ids) and req.output_token_ids[j] >= 0:
-                    value = lse - row[req.output_token_ids[j]]
-                    self.runtime.record_surprisal(req_id, torch.tensor([position]), value[None])
+                    value = token_surprisal(row[None], torch.tensor([req.output_token_ids[j]]))
+                    self.runtime.record_surprisal(req_id, torch.tensor([position]), value)
             if one_row_each:
                 rows.append(i)
                 pending.append((req_id, req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
         if rows:
             picked = logits[rows].float()  # a copy: the sampler may change the logits in place
-            lse = torch.logsumexp(picked, dim=-1).tolist()
             for k, (req_id, position) in enumerate(pending):
-                self._pending_logits[req_id] = (position, lse[k], picked[k])
+                self._pending_logits[req_id] = (position, picked[k])
 
     def _spanify(self, req_id: str) -> None:
-        """Spanify the request's window; the pages wholly inside the compressed rows go back to the
-        pool but for the fast tier's share of every window spanified so far (rounded up once, not per window)."""
+        """Spanify the request's window; the pages wholly inside the compressed rows go back (`PagePlans`)."""
         part = self.runtime.spanify_window(req_id)
         if part is not None:
             self._placed.pop(req_id, None)  # its rows, rewritten, are in sekv's own pages until placed again
-        ranges = self._page_plans.get(req_id)
-        if part is None or ranges is None:
-            return
-        block_size, block_bytes = self._block_size_and_bytes()
-        mem = self.runtime.get(req_id)
-        # pages wholly after the last range's end (a window smaller than `window` + growth may end
-        # inside pages the prompt's range freed already) and before these rows' end
-        first = ranges[-1].end_token // block_size
-        pages = max(part.stop // block_size - first, 0)
-        if not pages:
-            return
-        kept_before = mem.figures.setdefault("vllm_output_pages_kept", 0)
-        keep = max(min(math.ceil(mem.output_fast_tier_bytes / block_bytes) - kept_before, pages), 0)
-        ranges.append(PageRange(first + keep, part.stop))
-        kv_pages.plan_release(req_id, ranges)
-        mem.figures["vllm_output_pages_kept"] = kept_before + keep
-        mem.figures["vllm_pages_returned_bytes"] += (pages - keep) * block_bytes
+            self._page_plans.after_spanification(self.runtime.get(req_id), part, *self._block_size_and_bytes())
 
     def _place_rows(self, req_id: str) -> None:
         """Move a compressed request's rows into the pages it keeps: every page of its block table but
         those its page ranges return (still listed until the manager frees them), in order."""
-        block_size = self.runner.cache_config.block_size
         block_ids = self.runner.requests[req_id].block_ids[0]
-        ranges = self._page_plans.get(req_id, [])
-        kept = [b for i, b in enumerate(block_ids)
-                if not any(r.first_block <= i < r.end_token // block_size for r in ranges)]
+        kept = self._page_plans.kept(req_id, block_ids, self.runner.cache_config.block_size)
         placed = self.runtime.place_rows(req_id, self._engine_pages(), torch.tensor(kept, dtype=torch.int64))
         self._placed[req_id] = len(block_ids) if placed else _DID_NOT_FIT
 
@@ -322,27 +298,13 @@ class RunnerBridge:
         values = []
         for a in range(0, stop - start, _LOGIT_CHUNK):
             b = min(a + _LOGIT_CHUNK, stop - start)
-            logits = self.runner.model.compute_logits(hidden[row0 + a : row0 + b]).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            values.append(-logp.gather(1, targets[a:b, None]).squeeze(1))
+            values.append(token_surprisal(self.runner.model.compute_logits(hidden[row0 + a : row0 + b]), targets[a:b]))
         self.runtime.record_surprisal(req_id, torch.arange(start + 1, stop + 1), torch.cat(values))
 
     def _compress(self, req_id: str) -> None:
         mem = self.runtime.compress(req_id)
-        if mem.status is not Status.COMPRESSED:
-            return
-        block_size, block_bytes = self._block_size_and_bytes()
-        prompt_pages = math.ceil(mem.prompt_len / block_size)
-        held = prompt_pages
-        if self.runtime.config.return_pages:
-            # Keep as many leading pages as the fast tier needs (the pool accounts for it) and
-            # the last, partly filled prompt page; the manager returns the rest.
-            keep = min(math.ceil(mem.figures["fast_tier_bytes"] / block_bytes), mem.prompt_len // block_size)
-            self._page_plans[req_id] = [PageRange(keep, mem.prompt_len)]
-            kv_pages.plan_release(req_id, self._page_plans[req_id])
-            held = keep + (prompt_pages - mem.prompt_len // block_size)
-        mem.figures["vllm_pages_held_bytes"] = held * block_bytes
-        mem.figures["vllm_pages_returned_bytes"] = (prompt_pages - held) * block_bytes
+        if mem.status is Status.COMPRESSED:
+            self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
 
 
 def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":
