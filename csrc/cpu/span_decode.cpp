@@ -822,5 +822,12 @@ std::vector<torch::Tensor> span_decode(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)");
+  // Named arguments only (keyword-only in Python): 27 of them, several of the same type.
+  m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)", py::kw_only(),
+        py::arg("q"), py::arg("row_pages"), py::arg("page_table"), py::arg("num_full"), py::arg("new_k"),
+        py::arg("new_v"), py::arg("summary_k"), py::arg("summary_v"), py::arg("span_len"), py::arg("centroid_k"),
+        py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("code_bits"),
+        py::arg("key_features"), py::arg("coef_k"), py::arg("basis_k"), py::arg("coef_v"), py::arg("basis_v"),
+        py::arg("row_offset"), py::arg("budgets"), py::arg("zoom_all"), py::arg("query_features"), py::arg("bias"),
+        py::arg("threshold"), py::arg("scale"), py::arg("score_scale"));
 }

@@ -82,23 +82,31 @@ def test_kernel_matches_the_torch_path(case):
 def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     kernel = kernel_or_skip()
     rt = _runtime({"a": 800}, budget_ratio=0.125)
+    no_spans = {name: [] for name in ("summary_k", "summary_v", "span_len", "centroid_k", "log_count", "centroid_lo",
+                                      "centroid_step", "key_features", "coef_k", "basis_k", "coef_v", "basis_v",
+                                      "row_offset")}
+    common = {"new_k": torch.zeros(0), "new_v": torch.zeros(0), "query_features": torch.zeros(0, 0, 0),
+              "bias": torch.zeros(9), "threshold": torch.zeros(9), "scale": 0.1, "score_scale": 0.1}
     with pytest.raises(RuntimeError, match="every per-request list"):
-        kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), torch.zeros(0),
-                           torch.zeros(0), *([[]] * 7), 0, *([[]] * 6), torch.zeros(2, dtype=torch.int64),
-                           torch.zeros(2, dtype=torch.bool), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1)
+        kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
+                           **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
+                           zoom_all=torch.zeros(2, dtype=torch.bool), **common)
+    with pytest.raises(TypeError):  # named arguments only: 27 of them, several of one type
+        kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
-    args = [torch.zeros(1, 9, 64), [rows.pages], [rows.table + rows.pages.shape[0]],
-            torch.tensor([rows.length]), torch.zeros(0), torch.zeros(0), [m.summary_k], [m.summary_v], [m.span_len],
-            [m.keys.codes.codes], [m.keys.log_count], [m.keys.codes.lo], [m.keys.codes.step], 2, [],
-            [m.bases_k.coef], [torch.zeros(0)], [m.bases_v.coef], [torch.zeros(0)], [m.bases_k.row_offset],
-            torch.tensor([4]), torch.tensor([False]), torch.zeros(0, 0, 0), torch.zeros(9), torch.zeros(9), 0.1, 0.1]
+    args = dict(common, q=torch.zeros(1, 9, 64), row_pages=[rows.pages], page_table=[rows.table + rows.pages.shape[0]],
+                num_full=torch.tensor([rows.length]), summary_k=[m.summary_k], summary_v=[m.summary_v],
+                span_len=[m.span_len], centroid_k=[m.keys.codes.codes], log_count=[m.keys.log_count],
+                centroid_lo=[m.keys.codes.lo], centroid_step=[m.keys.codes.step], code_bits=2, key_features=[],
+                coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
+                row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), zoom_all=torch.tensor([False]))
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
-        kernel.span_decode(*args)
-    args[2] = [rows.table]
-    args[3] = torch.tensor([rows.capacity + 1])
+        kernel.span_decode(**args)
+    args["page_table"] = [rows.table]
+    args["num_full"] = torch.tensor([rows.capacity + 1])
     with pytest.raises(RuntimeError, match="num_full must be within the rows of page_table's pages"):
-        kernel.span_decode(*args)
+        kernel.span_decode(**args)
     assert rt.requests["a"].zoom_budget > 0
 
 
