@@ -19,3 +19,35 @@ print("ok")
 def test_core_router_policies_runtime_training_import_without_vllm():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_vllm_internals_are_imported_only_in_the_version_folder():
+    # The adapter's version-neutral modules reach vLLM only through integration/vllm/version.py; the
+    # logits-processor entry point (request_params.py) is vLLM's plugin interface.
+    import ast
+    from pathlib import Path
+
+    import sekv_vllm.integration.vllm as adapter
+
+    root = Path(adapter.__file__).parent
+    allowed = {"version.py", "request_params.py"}
+    offenders = []
+    for path in root.glob("*.py"):
+        if path.name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
+    assert not offenders, offenders
+    assert (root / "v0_32" / "shims.py").exists() and (root / "v0_32" / "runner_view.py").exists()
+
+
+def test_another_vllm_version_is_refused_naming_both():
+    import pytest
+
+    from sekv_vllm.integration.vllm.version import check_version
+
+    check_version("0.32.0")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* vLLM 0\.33\.1 is installed"):
+        check_version("0.33.1")

@@ -66,7 +66,7 @@ def worker(spec: dict) -> dict:
            "pool_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
            "timeline": [[round(s["t"], 2), s["running"]] for s in steps]}
     if spec["sekv"] is not None:
-        from sekv_vllm.integration.vllm import kv_pages
+        from sekv_vllm.integration.vllm.v0_32 import kv_pages
 
         out["pages_returned"] = kv_pages.returned_pages
     return out

@@ -7,7 +7,7 @@ from typing import Any
 
 def llm_kwargs(backend: str, sekv: dict | None) -> dict[str, Any]:
     """Keyword arguments that select the KV-cache backend for `vllm.LLM`."""
-    from sekv_vllm.integration.vllm.shims_v032 import apply_kv_cache_backend
+    from sekv_vllm.integration.vllm.backend_flags import apply_kv_cache_backend
 
     return {"additional_config": apply_kv_cache_backend({}, backend, sekv)}
 

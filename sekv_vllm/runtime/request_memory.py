@@ -179,7 +179,7 @@ class SeKVRuntime:
         if reason:
             return self._keep_full(mem, reason)
         if self.kernel is not None and mem.rows[self.layer_names[0]].pages.dtype != torch.float32:
-            # `decode_kernel: cpp` with such a cache is refused at start-up (shims_v032.py)
+            # `decode_kernel: cpp` with such a cache is refused at start-up (integration/vllm/v0_32/shims.py)
             logger.warning("sekv: the C++ decode kernel reads float32 KV rows, these are %s: decoding with "
                            "the torch ops", mem.rows[self.layer_names[0]].pages.dtype)
             self.kernel = None

@@ -19,12 +19,8 @@ def _setup_logging() -> None:
 
 
 def register() -> None:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from sekv_vllm.integration.vllm import shims_v032
+    from sekv_vllm.integration.vllm.version import check_version, install
 
     _setup_logging()
-    shims_v032.install()
-    # Replaces CPU_ATTN in this process; it runs vLLM's own kernel unchanged unless the
-    # engine's config carries `sekv` and a request is compressed.
-    register_backend(AttentionBackendEnum.CPU_ATTN, "sekv_vllm.integration.vllm.backend.SeKVAttentionBackend")
+    check_version()
+    install()

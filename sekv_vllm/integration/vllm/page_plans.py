@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 
-from sekv_vllm.integration.vllm import kv_pages
-from sekv_vllm.integration.vllm.kv_pages import PageRange
+from sekv_vllm.integration.vllm.version import PageRange, kv_pages
 from sekv_vllm.runtime import RequestMemory, SpanifiedRows
 
 

@@ -3,7 +3,7 @@
 The worker side (runner bridge, backend, the runner's step guard) files a request with its cause;
 the scheduler finishes it with an error at the end of that step, before its output is read, frees
 its pages as for any finished request, and the front end answers it with HTTP 500 naming the
-cause (shims_v032.py). Scheduler and worker share the engine-core process on CPU (one worker,
+cause (integration/vllm/v0_32/shims.py). Scheduler and worker share the engine-core process on CPU (one worker,
 in-process executor), as the page plans of kv_pages.py do.
 """
 from __future__ import annotations

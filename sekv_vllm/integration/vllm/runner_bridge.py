@@ -23,22 +23,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core.surprisal import token_surprisal
-from sekv_vllm.integration.vllm import kv_pages, request_failures
+from sekv_vllm.integration.vllm import request_failures
 from sekv_vllm.integration.vllm.page_plans import PagePlans
+from sekv_vllm.integration.vllm.version import RunnerView, StepSchedule, kv_pages
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
-
-if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger("sekv_vllm")
 
@@ -57,16 +51,12 @@ def current_bridge() -> "RunnerBridge | None":
 
 
 class RunnerBridge:
-    def __init__(self, runner: "GPUModelRunner", config: SeKVConfig) -> None:
+    def __init__(self, runner: RunnerView, config: SeKVConfig) -> None:
         self.runner = runner
-        forward_context = runner.compilation_config.static_forward_context
-        attn = [(name, layer) for name, layer in forward_context.items()
-                if hasattr(layer, "impl") and hasattr(layer, "kv_cache")]
-        self.layers = dict(sorted(attn, key=lambda item: extract_layer_index(item[0])))
+        self.layers = runner.attention_layers()
         first = next(iter(self.layers.values()))
         shape = ModelShape(len(self.layers), first.num_heads, first.num_kv_heads, first.head_size)
-        model_name = Path(runner.vllm_config.model_config.model).name
-        self.runtime = SeKVRuntime(config, list(self.layers), shape, model_name)
+        self.runtime = SeKVRuntime(config, list(self.layers), shape, runner.model_name)
         kv_pages.on_request_freed(self._on_pages_freed)
         self._page_plans = PagePlans()
         # Per compressed request: (position, logits [vocab] float32) of the token the last step's logits
@@ -82,24 +72,23 @@ class RunnerBridge:
         self._failed_steps_in_a_row = 0
 
     # -- step hooks ----------------------------------------------------------------------
-    def before_step(self, scheduler_output: "SchedulerOutput") -> None:
+    def before_step(self, step: StepSchedule) -> None:
         global _current
         _current = self
-        for req_id in scheduler_output.finished_req_ids:
+        for req_id in step.finished:
             self.runtime.release(req_id, outcome="finished")
-        for req_id in scheduler_output.preempted_req_ids or ():
+        for req_id in step.preempted:
             self._on_pages_freed(req_id, preempted=True)
-        for new in scheduler_output.scheduled_new_reqs:
+        for new in step.new:
             with self._request_work(new.req_id, "admission"):
                 if self.runtime.get(new.req_id) is not None:  # resumed: start again from its prompt
                     self.runtime.release(new.req_id, outcome="restarted")
-                extra = new.sampling_params.extra_args if new.sampling_params else None
-                self._admit(new.req_id, len(new.prompt_token_ids or ()), extra)
+                self._admit(new.req_id, new.prompt_len, new.extra_args)
         # A preempted request comes back as a cached one and recomputes its prompt and output.
         # Compressed before: its kept state serves it again (the metadata builder answers only
         # the recompute's newest row) and its prompt pages go back once more. Else it is
         # admitted again and compressed when its prompt is complete.
-        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+        for req_id in step.resumed:
             with self._request_work(req_id, "resumption"):
                 self._resume(req_id)
 
@@ -109,48 +98,43 @@ class RunnerBridge:
             self.runtime.resume(req_id)
             self._page_plans.refile(req_id)
             return
-        state = self.runner.requests.get(req_id)
-        if state is None:
+        if not self.runner.knows(req_id):
             return
         if mem is not None:
             self.runtime.release(req_id, outcome="restarted")
-        extra = state.sampling_params.extra_args if state.sampling_params else None
-        self._admit(req_id, len(state.prompt_token_ids or ()), extra)
+        self._admit(req_id, len(self.runner.prompt(req_id)), self.runner.extra_args(req_id))
 
     def _admit(self, req_id: str, prompt_len: int, extra: dict | None) -> None:
         if req_id not in self._full_kv_after_error:
             self.runtime.admit(req_id, prompt_len, extra)
 
-    def after_step(self, scheduler_output: "SchedulerOutput") -> None:
-        state = self.runner.execute_model_state
-        if state is None:
+    def after_step(self, step: StepSchedule) -> None:
+        outputs = self.runner.step_outputs()
+        if outputs is None:
             return
-        hidden = state.hidden_states
-        qsl = self.runner.query_start_loc.cpu
-        for i, req_id in enumerate(self.runner.input_batch.req_ids):
+        for i, req_id in enumerate(self.runner.batch_req_ids()):
             mem = self.runtime.get(req_id)
             if mem is None or mem.status is not Status.PREFILLING:
                 continue
-            req = self.runner.requests[req_id]
-            start = req.num_computed_tokens  # before this step
-            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            start = self.runner.computed_tokens(req_id)  # before this step
+            n = step.num_tokens.get(req_id, 0)
             with self._request_work(req_id, "compression"):
                 if self.runtime.needs_surprisal(req_id):
-                    self._record_surprisal(req_id, req.prompt_token_ids, hidden, int(qsl[i]), start, n)
+                    self._record_surprisal(req_id, self.runner.prompt(req_id), outputs.hidden,
+                                           int(outputs.query_start[i]), start, n)
                 if start + n >= mem.prompt_len:
                     self._compress(req_id)
         if self.runtime.config.window_growth:
-            self._record_output_surprisal(scheduler_output, state.logits)
+            self._record_output_surprisal(step, outputs.logits)
             for req_id in list(self.runtime.requests):
                 with self._request_work(req_id, "output spanification"):
                     if self.runtime.window_due(req_id):
                         self._spanify(req_id)
-        for req_id in self.runner.input_batch.req_ids:
+        for req_id in self.runner.batch_req_ids():
             mem = self.runtime.get(req_id)
             if (mem is None or mem.status is not Status.COMPRESSED or mem.suspended
                     or self.runtime.rows_in_engine_pages(req_id) or self._placed.get(req_id) == _DID_NOT_FIT
-                    or self.runner.requests[req_id].num_computed_tokens
-                    + scheduler_output.num_scheduled_tokens.get(req_id, 0) < mem.next_position):
+                    or self.runner.computed_tokens(req_id) + step.num_tokens.get(req_id, 0) < mem.next_position):
                 continue  # not compressed, placed (or tried), or not computed up to its newest row (a recompute)
             with self._request_work(req_id, "row placement"):
                 self._place_rows(req_id)
@@ -194,7 +178,7 @@ class RunnerBridge:
 
     # -- batch facts for the metadata builder ----------------------------------------------
     def batch_req_ids(self, num_reqs: int) -> list[str]:
-        return self.runner.input_batch.req_ids[:num_reqs]
+        return self.runner.batch_req_ids()[:num_reqs]
 
     def sync_pages(self, req_id: str) -> bool:
         """Hand a compressed request's pages allocated since it was placed to its rows; False if that
@@ -202,7 +186,7 @@ class RunnerBridge:
         have = self._placed.get(req_id)
         if have is None or have == _DID_NOT_FIT or not self.runtime.rows_in_engine_pages(req_id):
             return True
-        block_ids = self.runner.requests[req_id].block_ids[0]
+        block_ids = self.runner.block_ids(req_id)
         if len(block_ids) > have:
             with self._request_work(req_id, "page hand-over"):
                 self.runtime.add_pages(req_id, torch.tensor(block_ids[have:], dtype=torch.int64))
@@ -226,29 +210,29 @@ class RunnerBridge:
         else:
             self.drop(req_id, outcome="preempted" if preempted else "ended")
 
-    def _record_output_surprisal(self, scheduler_output: "SchedulerOutput", logits: torch.Tensor | None) -> None:
+    def _record_output_surprisal(self, step: StepSchedule, logits: torch.Tensor | None) -> None:
         """Surprisal of compressed requests' output tokens: the token predicted by the previous step's
         logits is sampled by now; this step's logits (one row per request, batch order) predict the next."""
-        req_ids = self.runner.input_batch.req_ids
+        req_ids = self.runner.batch_req_ids()
         growth = self.runtime.config.window_growth
         one_row_each = logits is not None and logits.shape[0] == len(req_ids)
         rows, pending = [], []
         for i, req_id in enumerate(req_ids):
-            req = self.runner.requests.get(req_id)
             # a window grows by at most max_tokens - 1 rows: no more than `growth`, never spanified
             if (not self.runtime.is_compressed(req_id) or not self.runtime.needs_surprisal(req_id)
-                    or (req.sampling_params.max_tokens or growth + 1) <= growth):
+                    or not self.runner.knows(req_id) or (self.runner.max_tokens(req_id) or growth + 1) <= growth):
                 continue
             before = self._pending_logits.pop(req_id, None)
             if before is not None:
                 position, row = before
-                j = position - len(req.prompt_token_ids)
-                if 0 <= j < len(req.output_token_ids) and req.output_token_ids[j] >= 0:
-                    value = token_surprisal(row[None], torch.tensor([req.output_token_ids[j]]))
+                output = self.runner.output(req_id)
+                j = position - len(self.runner.prompt(req_id))
+                if 0 <= j < len(output) and output[j] >= 0:
+                    value = token_surprisal(row[None], torch.tensor([output[j]]))
                     self.runtime.record_surprisal(req_id, torch.tensor([position]), value)
             if one_row_each:
                 rows.append(i)
-                pending.append((req_id, req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
+                pending.append((req_id, self.runner.computed_tokens(req_id) + step.num_tokens.get(req_id, 0)))
         if rows:
             picked = logits[rows].float()  # a copy: the sampler may change the logits in place
             for k, (req_id, position) in enumerate(pending):
@@ -264,27 +248,21 @@ class RunnerBridge:
     def _place_rows(self, req_id: str) -> None:
         """Move a compressed request's rows into the pages it keeps: every page of its block table but
         those its page ranges return (still listed until the manager frees them), in order."""
-        block_ids = self.runner.requests[req_id].block_ids[0]
-        kept = self._page_plans.kept(req_id, block_ids, self.runner.cache_config.block_size)
+        block_ids = self.runner.block_ids(req_id)
+        kept = self._page_plans.kept(req_id, block_ids, self.runner.block_size)
         placed = self.runtime.place_rows(req_id, self._engine_pages(), torch.tensor(kept, dtype=torch.int64))
         self._placed[req_id] = len(block_ids) if placed else _DID_NOT_FIT
 
     def _engine_pages(self) -> dict[str, torch.Tensor]:
-        """Each layer's KV cache [num_blocks, Hkv, block, 2 D] as pages of rows [num_blocks, 2, block, Hkv, D]
-        (the same memory): a page sekv keeps is never read by vLLM's kernel."""
+        """Each layer's KV cache as pages of rows [num_blocks, 2, block, Hkv, D] (the same memory): a page sekv
+        keeps is never read by vLLM's kernel."""
         if self._kv_pages is None:
-            pages = {}
-            for name, layer in self.layers.items():
-                cache = layer.kv_cache
-                num_blocks, Hkv, block, two_d = cache.shape
-                pages[name] = cache.view(num_blocks, 2, block, Hkv, two_d // 2)
-            self._kv_pages = pages
+            self._kv_pages = {name: self.runner.kv_pages(layer) for name, layer in self.layers.items()}
         return self._kv_pages
 
     def _block_size_and_bytes(self) -> tuple[int, int]:
         """vLLM's page size in tokens, and the bytes of one page across every layer."""
-        kv_cache = next(iter(self.layers.values())).kv_cache
-        return self.runner.cache_config.block_size, kv_cache[0].numel() * kv_cache.element_size() * len(self.layers)
+        return self.runner.block_size, self.runner.page_bytes(next(iter(self.layers.values()))) * len(self.layers)
 
     def _record_surprisal(
         self, req_id: str, prompt: list[int], hidden: torch.Tensor, row0: int, start: int, n: int
@@ -298,25 +276,13 @@ class RunnerBridge:
         values = []
         for a in range(0, stop - start, _LOGIT_CHUNK):
             b = min(a + _LOGIT_CHUNK, stop - start)
-            values.append(token_surprisal(self.runner.model.compute_logits(hidden[row0 + a : row0 + b]), targets[a:b]))
+            values.append(token_surprisal(self.runner.compute_logits(hidden[row0 + a : row0 + b]), targets[a:b]))
         self.runtime.record_surprisal(req_id, torch.arange(start + 1, stop + 1), torch.cat(values))
 
     def _compress(self, req_id: str) -> None:
         mem = self.runtime.compress(req_id)
         if mem.status is Status.COMPRESSED:
             self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
-
-
-def bridge_for(runner: "GPUModelRunner") -> "RunnerBridge | None":
-    """The runner's bridge, made on first use; None when the runner's config has no `sekv`."""
-    bridge = getattr(runner, "_sekv_bridge", False)
-    if bridge is False:
-        config = SeKVConfig.from_additional_config(runner.vllm_config.additional_config)
-        bridge = RunnerBridge(runner, config) if config is not None else None
-        runner._sekv_bridge = bridge
-        if bridge is not None:
-            logger.info("sekv: active on this worker with %s", config.model_dump())
-    return bridge
 
 
 def figures_by_request_id() -> dict[str, dict]:

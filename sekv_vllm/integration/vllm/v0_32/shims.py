@@ -26,7 +26,6 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 import numpy as np
@@ -34,10 +33,11 @@ import numpy as np
 from sekv_vllm.config import ADDITIONAL_CONFIG_KEY, SeKVConfig, SeKVConfigError
 from sekv_vllm.methods import SEKV
 from sekv_vllm.integration.vllm import request_failures
+from sekv_vllm.integration.vllm.backend_flags import KV_CACHE_BACKENDS, apply_kv_cache_backend, json_object
+from sekv_vllm.integration.vllm.v0_32.runner_view import RunnerView, StepSchedule
 
 logger = logging.getLogger("sekv_vllm")
 
-KV_CACHE_BACKENDS = ("vllm", "sekv")
 _MARK = "_sekv_wrapped"
 
 
@@ -53,28 +53,6 @@ def _wrap(owner: type, name: str, make) -> None:
     setattr(owner, name, kind(wrapped) if kind else wrapped)
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"--sekv-config is not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--sekv-config must be a JSON object of sekv settings")
-    return value
-
-
-def apply_kv_cache_backend(additional_config: dict | None, backend: str, sekv_settings: dict | None) -> dict:
-    """additional_config with the `sekv` entry that `--kv-cache-backend`/`--sekv-config` ask for."""
-    config = dict(additional_config or {})
-    if backend not in KV_CACHE_BACKENDS:
-        raise SeKVConfigError(f"kv_cache_backend: {backend!r} is not one of {list(KV_CACHE_BACKENDS)}")
-    if backend == "sekv":
-        config[ADDITIONAL_CONFIG_KEY] = {**(config.get(ADDITIONAL_CONFIG_KEY) or {}), **(sekv_settings or {})}
-    elif sekv_settings is not None:
-        raise SeKVConfigError("--sekv-config needs --kv-cache-backend sekv")
-    return config
-
-
 def _install_cli() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -87,7 +65,7 @@ def _install_cli() -> None:
                 help="sekv: compress long prompts' KV cache with SeKV; vllm: stock full KV.",
             )
             group.add_argument(
-                "--sekv-config", type=_json_object, default=None,
+                "--sekv-config", type=json_object, default=None,
                 help='SeKV settings as JSON, e.g. \'{"budget_ratio": 0.25}\' (see sekv_vllm.config.SeKVConfig).',
             )
             return parser
@@ -199,17 +177,16 @@ def _install_runner_hook() -> None:
     from vllm.v1.request import RequestStatus
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from sekv_vllm.integration.vllm.runner_bridge import bridge_for
-
     def make_execute_model(original):
         def execute_model(self, scheduler_output, *args, **kwargs):
             bridge = bridge_for(self)
             if bridge is None:
                 return original(self, scheduler_output, *args, **kwargs)
             try:
-                bridge.before_step(scheduler_output)
+                step = StepSchedule.of(scheduler_output)
+                bridge.before_step(step)
                 result = original(self, scheduler_output, *args, **kwargs)
-                bridge.after_step(scheduler_output)
+                bridge.after_step(step)
             except Exception as err:
                 return _fail_step(self, bridge, scheduler_output, "model step", err)
             bridge.step_succeeded()
@@ -222,7 +199,7 @@ def _install_runner_hook() -> None:
             specs = original(self, *args, **kwargs)
             if SeKVConfig.from_additional_config(self.vllm_config.additional_config) is None:
                 return specs
-            from sekv_vllm.integration.vllm.kv_pages import sekv_spec
+            from sekv_vllm.integration.vllm.v0_32.kv_pages import sekv_spec
 
             return {name: sekv_spec(spec, self.vllm_config) for name, spec in specs.items()}
 
@@ -230,7 +207,7 @@ def _install_runner_hook() -> None:
 
     def make_preempt_request(original):
         def _preempt_request(self, request, *args, **kwargs):
-            from sekv_vllm.integration.vllm import kv_pages
+            from sekv_vllm.integration.vllm.v0_32 import kv_pages
 
             kv_pages.preempting.add(request.request_id)
             try:
@@ -278,6 +255,20 @@ def _install_runner_hook() -> None:
     _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
     _wrap(Scheduler, "_preempt_request", make_preempt_request)
     _wrap(Scheduler, "update_from_output", make_update_from_output)
+
+
+def bridge_for(runner) -> "RunnerBridge | None":
+    """The runner's bridge, made on first use; None when the runner's config has no `sekv`."""
+    from sekv_vllm.integration.vllm.runner_bridge import RunnerBridge
+
+    bridge = getattr(runner, "_sekv_bridge", False)
+    if bridge is False:
+        config = SeKVConfig.from_additional_config(runner.vllm_config.additional_config)
+        bridge = RunnerBridge(RunnerView(runner), config) if config is not None else None
+        runner._sekv_bridge = bridge
+        if bridge is not None:
+            logger.info("sekv: active on this worker with %s", config.model_dump())
+    return bridge
 
 
 def _fail_step(runner, bridge, scheduler_output, what: str, err: Exception):

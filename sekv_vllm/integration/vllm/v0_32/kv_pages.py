@@ -43,7 +43,7 @@ class PageRange:
 _plans: dict[str, list[PageRange]] = {}
 _freed_listeners: list[Callable[[str, bool], None]] = []
 # Requests whose pages the scheduler is freeing because it preempts them (set by a wrap of
-# Scheduler._preempt_request, shims_v032.py).
+# Scheduler._preempt_request, shims.py).
 preempting: set[str] = set()
 # Pages returned to the pool so far in this process (a metric, and what the tests read).
 returned_pages = 0
