@@ -61,15 +61,15 @@ def test_returned_pages_admit_more_requests_and_outputs_do_not_change(model_dir,
     assert small["preemptions"] == 0 and small["free_at_end"] == small["free_at_start"]
 
 
-@pytest.mark.parametrize("growth, num_blocks", [(0, 12), (128, 10)])
-def test_preemption_under_a_tiny_pool_gives_the_same_outputs(growth, num_blocks, model_dir, essay_ids, tmp_path):
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_ids, tmp_path):
     # A compressed request preempted mid-output keeps its compressed state; its recompute decodes
     # only the newest row from it (the decode is batch-invariant: tests/test_runtime.py). With the
-    # window spanified every 128 rows (fewer pages held: a smaller pool still preempts) its page
-    # ranges are filed again when it resumes.
+    # window spanified every 128 rows its page ranges are filed again when it resumes. (Preemption
+    # without spanification: every row-keeping method, below, goes through the same suspend and resume.)
+    growth = 128
     spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "window_growth": growth},
             "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1110}
-    tiny = pages({**spec, "num_blocks": num_blocks}, tmp_path)  # three compressed requests outgrow the pool
+    tiny = pages({**spec, "num_blocks": 10}, tmp_path)  # three compressed requests outgrow the pool
     roomy = pages(spec, tmp_path)
     assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
     assert "is kept for its recompute" in tiny["stderr"]
@@ -78,7 +78,7 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(growth, num_blocks,
     # rows copied out of the pages freed by preemption, back into the new ones after the recompute
     checks = [ok for t in tiny["trace"] for ok in t["rows_in_pages"].values()]
     assert checks and all(checks)
-    assert all(f["output_spans"] > 0 for f in tiny["figures"]) == (growth > 0)
+    assert all(f["output_spans"] > 0 for f in tiny["figures"])
 
 
 def test_aborted_and_finished_requests_free_both_tiers(model_dir, essay_ids, tmp_path):
