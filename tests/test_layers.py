@@ -51,3 +51,24 @@ def test_another_vllm_version_is_refused_naming_both():
     check_version("0.32.0")
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* vLLM 0\.33\.1 is installed"):
         check_version("0.33.1")
+
+
+def test_method_code_makes_every_tensor_on_its_inputs_device():
+    # core/, methods/ and policies/ run on the device of the tensors they are given (CPU here, a GPU later):
+    # a factory call without `device=` would put a tensor on the CPU beside GPU inputs.
+    import ast
+    from pathlib import Path
+
+    import sekv_vllm
+
+    factories = {"zeros", "ones", "arange", "tensor", "empty", "full", "eye"}
+    root = Path(sekv_vllm.__file__).parent
+    offenders = []
+    for folder in ("core", "methods", "policies"):
+        for path in (root / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in factories
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                        and not any(k.arg == "device" for k in node.keywords)):
+                    offenders.append(f"{folder}/{path.name}:{node.lineno} torch.{node.func.attr}")
+    assert not offenders, offenders

@@ -57,7 +57,7 @@ def batched_mixed_attention(
     pseg = seg[pair_span] * Hkv + pair_head
     qp = qg.reshape(B * Hkv, G, D)[pseg]  # [P, G, D]
     lz = torch.matmul(torch.matmul(qp, basis_k.mT), coef_k.mT) * scale  # [P, G, L]
-    hidden = (~zoom_g[pair_span, pair_head])[..., None] | (torch.arange(L) >= span_len[pair_span][:, None])[:, None, :]
+    hidden = (~zoom_g[pair_span, pair_head])[..., None] | (torch.arange(L, device=span_len.device) >= span_len[pair_span][:, None])[:, None, :]
     lz = lz.masked_fill(hidden, neg)
     lf = [torch.matmul(qg[b], k.float().permute(1, 2, 0)) * scale for b, k in enumerate(full_k)]  # [Hkv, G, N_b]
 

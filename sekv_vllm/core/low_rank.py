@@ -111,7 +111,7 @@ def as_rows(bases: SpanBases) -> SpanBases:
     """The same spans with the host pool keeping their rebuilt rows (basis None)."""
     if not bases.factored:
         return bases
-    (rows,), _ = rebuild_spans_of(torch.arange(bases.span_len.numel()), bases)
+    (rows,), _ = rebuild_spans_of(torch.arange(bases.span_len.numel(), device=bases.span_len.device), bases)
     return SpanBases(rows.to(bases.coef.dtype).contiguous(), None, bases.row_offset, bases.span_len)
 
 
@@ -176,7 +176,7 @@ def span_factors(bases: SpanBases, span_ids: torch.Tensor, heads: torch.Tensor, 
     else:
         S, Hkv, R = bases.span_len.numel(), bases.coef.shape[1], bases.coef.shape[2]
         D = R
-    o_l = torch.arange(length)
+    o_l = torch.arange(length, device=span_ids.device)
     lens = bases.span_len[span_ids][:, None]
     rows = bases.row_offset[span_ids][:, None] + torch.minimum(o_l[None, :], lens - 1)  # [P, length]
     # One flat gather each (row * Hkv + head): far cheaper on CPU than two-tensor indexing.
@@ -185,7 +185,7 @@ def span_factors(bases: SpanBases, span_ids: torch.Tensor, heads: torch.Tensor, 
     if bases.factored:
         basis = bases.basis.reshape(S * Hkv, R, D).index_select(0, span_ids * Hkv + heads).float()  # [P, R, D]
     else:
-        basis = torch.eye(D).expand(span_ids.numel(), D, D)
+        basis = torch.eye(D, device=bases.coef.device).expand(span_ids.numel(), D, D)
     if rank > R:
         coef = torch.nn.functional.pad(coef, (0, rank - R))
         basis = torch.nn.functional.pad(basis, (0, 0, 0, rank - R))
@@ -194,13 +194,13 @@ def span_factors(bases: SpanBases, span_ids: torch.Tensor, heads: torch.Tensor, 
 
 def span_of_rows(bases: SpanBases) -> torch.Tensor:
     """[P] int64: the span of every coefficient row."""
-    return torch.repeat_interleave(torch.arange(bases.span_len.numel()), bases.span_len)
+    return torch.repeat_interleave(torch.arange(bases.span_len.numel(), device=bases.span_len.device), bases.span_len)
 
 
 def singular_values(bases: SpanBases) -> torch.Tensor:
     """[S, Hkv, R] float32 singular values of each span (coef = U diag(s), so s = column norms)."""
     S, Hkv, R = bases.basis.shape[0], bases.coef.shape[1], bases.coef.shape[2]
-    sq = torch.zeros(S, Hkv, R, dtype=torch.float32).index_add_(0, span_of_rows(bases), bases.coef.float() ** 2)
+    sq = torch.zeros(S, Hkv, R, dtype=torch.float32, device=bases.coef.device).index_add_(0, span_of_rows(bases), bases.coef.float() ** 2)
     return sq.sqrt()
 
 

@@ -123,7 +123,7 @@ def segment_prompt(
     (T,) = surprisal.shape
     window_start = max(T - window, 0)
     if window_start == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
+        empty = torch.zeros(0, dtype=torch.int64, device=surprisal.device)
         return SpanLayout(empty, empty, empty.clone(), 0, T)
 
     region = surprisal[:window_start].double().cpu().numpy()

@@ -51,7 +51,7 @@ class CentroidCodes:
         """[S, C, Hkv, D] float32."""
         S, Hkv, Dm, C = self.codes.shape
         m = 8 // self.bits
-        shifts = torch.arange(m, dtype=torch.uint8) * self.bits
+        shifts = torch.arange(m, dtype=torch.uint8, device=self.codes.device) * self.bits
         code = (self.codes[:, :, None] >> shifts[:, None, None]) & ((1 << self.bits) - 1)  # [S, Hkv, m, Dm, C]
         x = self.lo.float()[..., None] + self.step.float()[..., None] * code.reshape(S, Hkv, m * Dm, C).float()
         return x.permute(0, 3, 1, 2)
@@ -75,7 +75,7 @@ def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int) -> 
     code = ((cent - lo16.float()[:, :, None]) / step.clamp(min=1e-30)).round().clamp(0, top)
     code = torch.where(step > 0, code, torch.zeros_like(code)).to(torch.uint8)
     code = code.view(S, Hkv, C, m, D // m).permute(0, 1, 3, 4, 2)  # [S, Hkv, m, Dm, C]
-    packed = torch.zeros(S, Hkv, D // m, C, dtype=torch.uint8)
+    packed = torch.zeros(S, Hkv, D // m, C, dtype=torch.uint8, device=code.device)
     for i in range(m):
         packed |= code[:, :, i] << (i * bits)
     return CentroidCodes(packed.contiguous(), lo16, step16, bits)

@@ -11,7 +11,7 @@ def span_token_index(span_start: torch.Tensor, span_len: torch.Tensor) -> tuple[
     returns (index [S, L] int64 clamped into each span, valid [S, L] bool), L = max span_len
     """
     L = int(span_len.max()) if span_len.numel() else 0
-    o_l = torch.arange(L, dtype=torch.int64)
+    o_l = torch.arange(L, dtype=torch.int64, device=span_len.device)
     valid = o_l[None, :] < span_len[:, None]
     index = span_start[:, None] + torch.minimum(o_l[None, :], (span_len - 1).clamp(min=0)[:, None])
     return index, valid

@@ -21,5 +21,6 @@ class StreamingLLM(RowKeepingMethod):
     def keep(self, rows: PromptRows, n_keep: int) -> torch.Tensor:
         T, Hkv = rows.k.shape[:2]
         sinks = min(self.sink_tokens, n_keep)
-        pos = torch.cat([torch.arange(sinks), torch.arange(T - (n_keep - sinks), T)])
-        return pos.to(rows.k.device).expand(Hkv, n_keep)
+        device = rows.k.device
+        pos = torch.cat([torch.arange(sinks, device=device), torch.arange(T - (n_keep - sinks), T, device=device)])
+        return pos.expand(Hkv, n_keep)

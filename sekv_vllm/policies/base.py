@@ -45,8 +45,9 @@ def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int,
                   eligible: torch.Tensor | None = None) -> torch.Tensor:
     """`segment_budgeted_zoom` for one request: score, eligible [H, S] -> zoom [H, S] bool."""
     S = span_len.numel()
-    zoom = segment_budgeted_zoom(score.T, torch.zeros(S, dtype=torch.int64), span_len,
-                                 torch.tensor([zoom_budget]), num_kv_heads, None if eligible is None else eligible.T)
+    zoom = segment_budgeted_zoom(score.T, torch.zeros(S, dtype=torch.int64, device=score.device), span_len,
+                                 torch.tensor([zoom_budget], device=score.device), num_kv_heads,
+                                 None if eligible is None else eligible.T)
     return zoom.T
 
 
@@ -83,7 +84,7 @@ class ZoomPolicy(ABC):
 
     def select(self, layer: int, q: torch.Tensor, keys: SpanKeys, zoom_budget: int, scale: float) -> torch.Tensor:
         """One request: q [H, D] -> zoom [H, S] bool."""
-        seg = torch.zeros(keys.num_spans, dtype=torch.int64)
+        seg = torch.zeros(keys.num_spans, dtype=torch.int64, device=q.device)
         score, eligible = self.span_scores(layer, q[None], seg, keys, scale)
         return budgeted_zoom(score.T, keys.span_len, zoom_budget, keys.summary_k.shape[1],
                              None if eligible is None else eligible.T)
@@ -97,7 +98,7 @@ class ZoomPolicy(ABC):
         """The query side of `span_scores` for the C++ kernel: q [B, H, D]. Must score exactly as
         `span_scores` does (tests compare the two paths)."""
         H = q.shape[1]
-        return QueryTerms(None, torch.zeros(H), torch.full((H,), float("-inf")), scale)
+        return QueryTerms(None, torch.zeros(H, device=q.device), torch.full((H,), float("-inf"), device=q.device), scale)
 
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
         """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""
