@@ -104,7 +104,7 @@ def test_a_request_decodes_the_same_whatever_decodes_beside_it(kernel):
     for policy in ("span_score", "router"):
         rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, budget_ratio=0.25, decode_kernel=kernel),
                          names, ModelShape(30, 9, 3, 64), "SmolLM2-135M-Instruct")
-        assert (rt.kernel is not None) == (kernel == "cpp")
+        assert (rt.sekv.kernel is not None) == (kernel == "cpp")
         g = torch.Generator().manual_seed(5)
         for r, T in (("a", 500), ("b", 700), ("c", 300)):
             rt.admit(r, T, None)

@@ -113,15 +113,15 @@ def main(argv: list[str] | None = None) -> None:
             sekv_steps(rt, ids, 2, gen)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     sekv_s = sekv_steps(rt, ids, args.steps, gen)
-    kernel, rt.kernel = rt.kernel, None
+    kernel, rt.sekv.kernel = rt.sekv.kernel, None
     torch_s = sekv_steps(rt, ids, max(2, args.steps // 4), gen)
-    rt.kernel = kernel
+    rt.sekv.kernel = kernel
     full_s = full_kv_steps(args.requests, args.length, args.steps, gen)
     fig = rt.figures(ids[0])
     result = {
         "command": " ".join(["python -m benchmarks.perf.decode_step", *(argv if argv is not None else sys.argv[1:])]),
         "requests": args.requests, "prompt_tokens": args.length, "steps": args.steps,
-        "sekv_config": config.model_dump(exclude_defaults=True), "policy": type(rt.policy).__name__,
+        "sekv_config": config.model_dump(exclude_defaults=True), "policy": type(rt.sekv.policy).__name__,
         "threads": torch.get_num_threads(),
         "spans_per_request": fig["spans"], "zoom_budget_rows": fig["zoom_budget_rows"],
         "fast_tier_fraction": round(fig["fast_tier_fraction"], 4),

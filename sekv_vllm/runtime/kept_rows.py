@@ -1,4 +1,5 @@
-"""A row-keeping method's requests in the runtime: the prompt's kept rows, then decode over them.
+"""A row-keeping method's requests in the runtime (`KeptRowsRunner`): the prompt's kept rows, then decode
+over them.
 
 The kept rows of every layer go into `PagedRows` as a SeKV request's full-resolution rows do, so
 they move into vLLM's pages, grow with the output and survive preemption the same way; the
@@ -12,6 +13,7 @@ import torch
 
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory, Status, row_bytes
 from sekv_vllm.runtime.row_buffer import RowBuffer
@@ -68,3 +70,31 @@ def attend_kept(rows: list[PagedRows], q: torch.Tensor, scale: float) -> torch.T
         k, v = r.view()
         out[i] = exact_attention(q[i], k, v, scale)
     return out
+
+
+class KeptRowsRunner(MethodRunner):
+    """A row-keeping method's requests; kept rows go into pages of `block` rows with room for `spare` more."""
+
+    def __init__(self, method: RowKeepingMethod, layer_names: list[str], block: int, spare: int) -> None:
+        self.method, self.layer_names, self.block, self.spare = method, layer_names, block, spare
+
+    @property
+    def query_window(self) -> int:
+        return self.method.query_window
+
+    def full_kv_reason(self, prompt_len: int) -> str:
+        window = self.method.query_window
+        return f"prompt ({prompt_len}) not longer than {self.method.name}'s query window ({window})" \
+            if prompt_len <= window else ""
+
+    def compress(self, mem: RequestMemory) -> str:
+        if self.method.query_window and set(mem.queries) != set(self.layer_names):
+            return "prompt queries were not captured in every layer"
+        compress_kept_rows(self.method, mem, self.block, self.spare)
+        return ""
+
+    def attend(self, mems: list[RequestMemory], layer_name: str, q: torch.Tensor, scale: float,
+               new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> torch.Tensor:
+        for mem in mems:
+            mem.decode_calls += 1
+        return attend_kept([m.rows[layer_name] for m in mems], q, scale)

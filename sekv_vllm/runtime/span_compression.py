@@ -134,8 +134,7 @@ class SpanCompression:
     def window_due(self, mem: RequestMemory | None) -> bool:
         """Whether a compressed request's window holds `window` + `window_growth` rows or more."""
         growth = self.config.window_growth
-        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and mem.method == SEKV
-                and not mem.suspended
+        return (growth > 0 and mem is not None and mem.status is Status.COMPRESSED and not mem.suspended
                 and mem.next_position - mem.window_pos >= self.config.window + growth
                 and mem.next_position >= mem.spanify_from)
 

@@ -59,7 +59,7 @@ def test_kernel_matches_the_torch_path(case):
     prompts = {"a": 900, "b": 1300, "c": 200}
     rt = _runtime(prompts, **CASES[case])
     rt.requests["c"].zoom_all = True
-    rt.spans.clear()
+    rt.sekv.spans.clear()
     shape = CASES[case].get("shape", SHAPE)
     q = torch.randn(3, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(4)) * 2
     ids = list(prompts)
@@ -70,9 +70,9 @@ def test_kernel_matches_the_torch_path(case):
         before = zoomed()
         ref = rt.attend_batch(ids, name, q, 0.125)
         mid = zoomed()
-        rt.kernel = kernel
+        rt.sekv.kernel = kernel
         out = rt.attend_batch(ids, name, q, 0.125)
-        rt.kernel = None
+        rt.sekv.kernel = None
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
         # as many spans zoomed by each path
         assert [m - b for m, b in zip(mid, before)] == [a - m for a, m in zip(zoomed(), mid)]
@@ -121,7 +121,7 @@ def test_newest_rows_appended_by_the_decode_call_equal_captured_rows(path):
     g = torch.Generator().manual_seed(5)
     ids = list(prompts)
     for rt in (fused, captured):
-        rt.kernel = kernel
+        rt.sekv.kernel = kernel
     fused.requests["a"].rows[LAYERS[0]].reserve(0)
     capacity = fused.requests["a"].rows[LAYERS[0]].capacity
     for _ in range(capacity - fused.requests["a"].rows[LAYERS[0]].length + 4):  # past its pages: they grow
@@ -148,7 +148,7 @@ def test_rows_in_scattered_engine_pages_decode_as_rows_in_own_pages(path, caplog
     prompts = {"a": 900, "b": 1300}
     paged, own = _runtime(prompts), _runtime(prompts)
     for rt in (paged, own):
-        rt.kernel = kernel
+        rt.sekv.kernel = kernel
     g = torch.Generator().manual_seed(6)
     cache = {name: torch.randn(64, 2, 16, 3, 64, generator=g) for name in LAYERS}  # an engine's pool of 64 pages
     free = torch.randperm(64, generator=g)
@@ -190,7 +190,7 @@ def test_bases_are_kept_as_rows_when_factors_would_be_larger():
 
 
 def test_a_missing_kernel_is_an_error_when_required_and_a_logged_fallback_otherwise(monkeypatch, caplog):
-    import sekv_vllm.runtime.request_memory as rm
+    import sekv_vllm.runtime.span_runner as rm
 
     def unavailable():
         raise KernelBuildError("CalledProcessError: g++ not found")
@@ -200,6 +200,6 @@ def test_a_missing_kernel_is_an_error_when_required_and_a_logged_fallback_otherw
         SeKVRuntime(SeKVConfig(decode_kernel="cpp", zoom_policy="span_score"), LAYERS)
     with caplog.at_level("WARNING", logger="sekv_vllm"):
         rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score"), LAYERS)
-    assert rt.kernel is None and "decoding with the torch ops" in caplog.text
+    assert rt.sekv.kernel is None and "decoding with the torch ops" in caplog.text
     with pytest.raises(ValueError, match="decode_kernel"):
         SeKVConfig(decode_kernel="cuda")
