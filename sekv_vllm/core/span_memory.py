@@ -74,11 +74,16 @@ def compress_layer(
         return span_rows(x, layout.span_start, layout.span_len) if as_is else form(
             fit_span_bases(x, layout.span_start, layout.span_len, r_max))
 
-    gates = None
+    bases_k = None
     if key_gates is not None and layout.num_spans:
-        bases_k = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
-        gates = key_gates(singular_values(bases_k), summary_k)
-    bases_k = form(gate_bases(bases_k, gates)) if gates is not None else bases_of(k)
+        fitted = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
+        gates = key_gates(singular_values(fitted), summary_k)
+        if gates is not None:
+            bases_k = form(gate_bases(fitted, gates))
+        elif not as_is:  # a policy without gates: the factors just fitted serve
+            bases_k = form(fitted)
+    if bases_k is None:
+        bases_k = bases_of(k)
     return LayerSpanMemory(
         span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
         summary_v, bases_k, bases_of(v),

@@ -210,15 +210,15 @@ class SeKVRuntime:
         """`attend_batch` for requests of one method: their newest rows written first (or room made for the
         runner to write them)."""
         runner = self.methods[mems[0].method]
+        writes = runner.writes_new_rows
         if new_k is not None:
             for i, mem in enumerate(mems):
                 self._make_room(mem, layer_name, 1)
-                if runner.writes_new_rows:
+                if writes:
                     mem.rows[layer_name].grow(1)
                 else:
                     mem.rows[layer_name].append(new_k[i : i + 1], new_v[i : i + 1])
             self._advance(mems, layer_name, 1)
-        writes = runner.writes_new_rows
         return runner.attend(mems, layer_name, q, scale, new_k if writes else None, new_v if writes else None)
 
     def is_active(self, req_id: str) -> bool:

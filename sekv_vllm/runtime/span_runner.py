@@ -64,7 +64,9 @@ class SpanRunner(MethodRunner):
 
     def compress(self, mem: RequestMemory) -> str:
         reason = self.compression.compress_prompt(mem)
-        dtype = next(iter(mem.rows.values())).pages.dtype if not reason else torch.float32
+        if reason:
+            return reason
+        dtype = next(iter(mem.rows.values())).pages.dtype
         if self.kernel is not None and dtype != torch.float32:
             # `decode_kernel: cpp` with such a cache is refused at start-up (integration/vllm/v0_32/shims.py)
             logger.warning("sekv: the C++ decode kernel reads float32 KV rows, these are %s: decoding with "
