@@ -11,13 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sekv_vllm.methods import METHOD_NAMES, ROW_METHODS, SEKV, RowKeepingMethod
+from sekv_vllm.methods import METHOD_NAMES, METHODS, SEKV, MethodSettings
 
 ADDITIONAL_CONFIG_KEY = "sekv"
 REQUEST_KEY_PREFIX = "sekv_"
 # Settings every method reads; the other fields of SeKVConfig are SeKV's own.
 COMMON_SETTINGS = frozenset({"method", "method_settings", "budget_ratio", "token_budget", "min_prompt_tokens",
-                             "return_pages", "stats_path"})
+                             "window_growth", "host_pool_bytes", "return_pages", "stats_path"})
 
 
 class SeKVConfigError(ValueError):
@@ -26,7 +26,7 @@ class SeKVConfigError(ValueError):
 
 def _a_setting(key: str) -> bool:
     """Whether `key` is a setting of some method (else pydantic refuses it as unknown)."""
-    return key in SeKVConfig.model_fields or any(key in m.model_fields for m in ROW_METHODS.values())
+    return key in SeKVConfig.model_fields or any(key in m.model_fields for m in METHODS.values())
 
 
 def _describe(err: ValidationError, where: str) -> str:
@@ -44,7 +44,7 @@ def _describe(err: ValidationError, where: str) -> str:
 class SeKVConfig(BaseModel):
     """Deployment-wide settings: the method, its budget, and the method's own settings.
 
-    A row-keeping method's settings are given beside `method` (`{"method": "snapkv",
+    Another method's settings are given beside `method` (`{"method": "snapkv",
     "observation_window": 32}`) and kept in `method_settings`; a setting of another method is refused.
     """
 
@@ -52,7 +52,7 @@ class SeKVConfig(BaseModel):
 
     method: Literal[METHOD_NAMES] = Field(SEKV, description="the KV-cache method of every request that does not "
                                           "choose one (`sekv_method`)")
-    method_settings: dict[str, Any] = Field(default_factory=dict, description="a row-keeping method's own settings")
+    method_settings: dict[str, Any] = Field(default_factory=dict, description="the method's own settings (not SeKV's)")
     budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="prompt rows attended per decode step, as a fraction of the prompt")
     token_budget: int | None = Field(None, ge=1, description="absolute rows per decode step; overrides budget_ratio")
     min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
@@ -100,24 +100,24 @@ class SeKVConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _settings_of_the_method(cls, raw: Any) -> Any:
-        """A row-keeping method's settings go to `method_settings` (validated by the method); a setting
+        """Another method's settings go to `method_settings` (validated by the method); a setting
         of a method other than the one chosen is refused naming it."""
         if not isinstance(raw, dict):
             return raw
         method = raw.get("method", SEKV)
         if method not in METHOD_NAMES:
             return raw  # the Literal names the allowed methods
-        own = set(ROW_METHODS[method].model_fields) if method in ROW_METHODS else set(cls.model_fields)
+        own = set(METHODS[method].model_fields) if method in METHODS else set(cls.model_fields)
         foreign = sorted(k for k in raw if k not in own and k not in COMMON_SETTINGS and _a_setting(k))
         if foreign:
             theirs = sorted(own - COMMON_SETTINGS)
             raise ValueError(f"{', '.join(foreign)}: not a setting of method {method!r}; its settings: {theirs}, "
                              f"and for every method: {sorted(COMMON_SETTINGS - {'method_settings'})}")
-        if method not in ROW_METHODS:
+        if method not in METHODS:
             return raw
         settings = {**raw.get("method_settings", {}), **{k: v for k, v in raw.items() if k in own}}
         try:
-            ROW_METHODS[method](**settings)
+            METHODS[method](**settings)
         except ValidationError as err:
             raise ValueError(_describe(err, "")) from None
         rest = {k: v for k, v in raw.items() if k not in own}
@@ -131,14 +131,14 @@ class SeKVConfig(BaseModel):
 
     def normalised(self) -> dict[str, Any]:
         """Every setting the method reads, defaults included (what every process of the engine reads)."""
-        if self.method not in ROW_METHODS:
+        if self.method not in METHODS:
             return self.model_dump()
         common = self.model_dump(include=COMMON_SETTINGS)
-        return {**common, "method_settings": self.row_method(self.method).model_dump()}
+        return {**common, "method_settings": self.method_of(self.method).model_dump()}
 
-    def row_method(self, name: str) -> RowKeepingMethod:
-        """The row-keeping method `name`, with this deployment's settings if it is the deployment's method."""
-        return ROW_METHODS[name](**(self.method_settings if name == self.method else {}))
+    def method_of(self, name: str) -> MethodSettings:
+        """The method `name` (not SeKV), with this deployment's settings if it is the deployment's method."""
+        return METHODS[name](**(self.method_settings if name == self.method else {}))
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "SeKVConfig | None":

@@ -67,7 +67,7 @@ def _generate(model, context_ids, question_ids, press, max_tokens: int, eos: set
 
 
 def worker(spec: dict) -> None:
-    """spec: {model, press, records, items: [{job, compressed, rest, answers}]}."""
+    """spec: {model, press, press_settings, records, items: [{job, compressed, rest, answers}]}."""
     import kvpress
     import torch
     from tqdm import tqdm
@@ -85,7 +85,7 @@ def worker(spec: dict) -> None:
             job = item["job"]
             context_ids = tok(item["compressed"], return_tensors="pt", add_special_tokens=False).input_ids
             question_ids = tok(item["rest"], return_tensors="pt", add_special_tokens=False).input_ids
-            press = press_cls(compression_ratio=1.0 - job["budget"])
+            press = press_cls(compression_ratio=1.0 - job["budget"], **spec.get("press_settings", {}))
             t0 = time.perf_counter()
             ids, kept = _generate(model, context_ids, question_ids, press, job["max_tokens"], eos)
             seconds = time.perf_counter() - t0

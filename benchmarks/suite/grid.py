@@ -2,7 +2,7 @@
 
 Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM with its
 default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`),
-`sekv:METHOD` (an in-engine row-keeping method, e.g. `sekv:snapkv`: sekv_vllm.methods.ROW_METHODS), and
+`sekv:METHOD` (another in-engine method, e.g. `sekv:snapkv`: sekv_vllm.methods.METHODS), and
 `kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
 of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
 budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
@@ -20,9 +20,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from benchmarks.peers.presses import PRESSES
-from sekv_vllm.config import COMMON_SETTINGS
+from sekv_vllm.config import COMMON_SETTINGS, SeKVConfig
 from sekv_vllm.core.span_keys import QUANT_BITS
-from sekv_vllm.methods import ROW_METHODS
+from sekv_vllm.methods import METHODS
 from sekv_vllm.policies import POLICIES
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
@@ -66,7 +66,10 @@ class Grid(BaseModel):
     samples: int = Field(3, ge=1, le=1000)
     max_tokens: int | None = Field(None, ge=1, le=1024, description="answer length for every task; "
                                    "default: each family's own (ruler.MAX_TOKENS)")
-    sekv_config: dict = Field(default_factory=dict)
+    sekv_config: dict = Field(default_factory=dict, description="SeKVConfig fields; each sekv backend takes those "
+                              "of its method (SeKV's, or an in-engine method's own) and the ones every method reads")
+    press_settings: dict = Field(default_factory=dict, description="keyword settings of the kvpress presses "
+                                 "(e.g. {'window_size': 16} for SnapKVPress)")
     via: Literal["offline", "server"] = "offline"
     concurrency: int = Field(8, ge=1, le=256)
 
@@ -74,14 +77,23 @@ class Grid(BaseModel):
     @classmethod
     def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
         allowed = (["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
-                   + [f"sekv:{m}" for m in ROW_METHODS])
+                   + [f"sekv:{m}" for m in METHODS])
         unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)
-                   or (CENTROIDS in b and b.split(CENTROIDS)[0][5:] in ROW_METHODS)]
+                   or (CENTROIDS in b and b.split(CENTROIDS)[0][5:] in METHODS)]
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
                              f"'{CENTROIDS}N' (score centroids per span, N in 0..32) or '{CENTROIDS}NbB' (and "
                              f"their bits per element, B in {[*QUANT_BITS, 16]})")
         return backends
+
+    @field_validator("sekv_config")
+    @classmethod
+    def _known_settings(cls, config: dict) -> dict:
+        known = set(SeKVConfig.model_fields).union(*(m.model_fields for m in METHODS.values()))
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"{unknown} are settings of no method; allowed: {sorted(known)}")
+        return config
 
     @field_validator("tasks")
     @classmethod
@@ -112,9 +124,10 @@ class Grid(BaseModel):
         if not backend.startswith("sekv"):
             return None
         name = backend.partition(CENTROIDS)[0]
-        if name[5:] in ROW_METHODS:  # an in-engine method beside SeKV: the settings every method reads
-            return {**{k: v for k, v in self.sekv_config.items() if k in COMMON_SETTINGS}, "method": name[5:]}
-        out = dict(self.sekv_config)
+        if name[5:] in METHODS:  # an in-engine method beside SeKV: its own settings and those every method reads
+            own = COMMON_SETTINGS | set(METHODS[name[5:]].model_fields)
+            return {**{k: v for k, v in self.sekv_config.items() if k in own}, "method": name[5:]}
+        out = {k: v for k, v in self.sekv_config.items() if k in SeKVConfig.model_fields}
         if name.startswith("sekv:"):
             out["zoom_policy"] = name.split(":", 1)[1]
         scoring = _scoring(backend)
@@ -165,6 +178,11 @@ PROFILES: dict[str, dict] = {
     # tightest budgets, 6 samples per cell.
     "zoom": {"backends": ("vllm", "sekv:router", "sekv:span_score"), "tasks": ("needle", "passkey", "niah_multikey"),
              "lengths": (1000, 2000, 4000), "samples": 6, "budgets": (0.125, 0.0625)},
+    # Every in-engine method beside full KV, SeKV and kvpress's SnapKV at the same budgets (the fast tier each
+    # really holds is in the table's last rows).
+    "methods-engine": {"backends": ("vllm", "sekv", *(f"sekv:{m}" for m in METHODS), "kvpress:snapkv"),
+                       "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000, 2000), "samples": 3,
+                       "budgets": (0.25, 0.125)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

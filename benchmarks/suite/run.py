@@ -109,7 +109,8 @@ def run_kvpress(grid: Grid, backend: str, jobs: list[dict], model: str, records:
         sample = make_sample(job["task"], job["length"], job["depth"], job["seed"], count)
         compressed, rest = split_after_question(sample, tok)
         items.append({"job": job, "compressed": compressed, "rest": rest, "answers": list(sample.answers)})
-    kvpress_run.run({"model": model, "press": backend.split(":", 1)[1], "records": str(records), "items": items})
+    kvpress_run.run({"model": model, "press": backend.split(":", 1)[1], "press_settings": grid.press_settings,
+                     "records": str(records), "items": items})
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--via", default=None, help="offline (LLM.generate) or server (OpenAI HTTP)")
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight with --via server")
     parser.add_argument("--sekv-config", type=json.loads, default=None, help="JSON SeKVConfig fields")
+    parser.add_argument("--press-settings", type=json.loads, default=None, help="JSON keyword settings of the "
+                        "kvpress presses")
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/suite-PROFILE")
     parser.add_argument("--fresh", action="store_true", help="discard earlier records instead of resuming")
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grid = make_grid(args.profile, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                          budgets=args.budgets, backends=args.backends, sekv_config=args.sekv_config,
+                         press_settings=args.press_settings,
                          via=args.via, concurrency=args.concurrency)
     except GridError as err:
         parser.error(str(err))

@@ -1,21 +1,25 @@
-"""KV-cache methods by name. SeKV (`sekv`, the runtime's span path) and the row-keeping methods.
+"""KV-cache methods by name. SeKV (`sekv`, the runtime's span path) and the others.
 
-Adding a row-keeping method: a file here (a `RowKeepingMethod` subclass) and its line below.
+Adding a method: a file here (a `MethodSettings` subclass; a `RowKeepingMethod` for a choice of rows)
+and its line below.
 """
 from __future__ import annotations
 
-from sekv_vllm.methods.base import PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.methods.base import MethodSettings, PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.methods.quest import Quest
 from sekv_vllm.methods.snapkv import SnapKV
 from sekv_vllm.methods.streaming_llm import StreamingLLM
 from sekv_vllm.methods.tova import TOVA
 
 SEKV = "sekv"
-ROW_METHODS: dict[str, type[RowKeepingMethod]] = {
+METHODS: dict[str, type[MethodSettings]] = {
     StreamingLLM.name: StreamingLLM,
     SnapKV.name: SnapKV,
     TOVA.name: TOVA,
+    Quest.name: Quest,
 }
-METHOD_NAMES: tuple[str, ...] = (SEKV, *ROW_METHODS)
+ROW_METHODS: dict[str, type[RowKeepingMethod]] = {n: m for n, m in METHODS.items() if issubclass(m, RowKeepingMethod)}
+METHOD_NAMES: tuple[str, ...] = (SEKV, *METHODS)
 
-__all__ = ["METHOD_NAMES", "ROW_METHODS", "SEKV", "PromptRows", "RowKeepingMethod", "SnapKV", "StreamingLLM", "TOVA",
-           "gather_kept"]
+__all__ = ["METHODS", "METHOD_NAMES", "ROW_METHODS", "SEKV", "MethodSettings", "PromptRows", "Quest",
+           "RowKeepingMethod", "SnapKV", "StreamingLLM", "TOVA", "gather_kept"]

@@ -1,13 +1,15 @@
-"""What a row-keeping KV-cache method is: the interface the runtime calls (plain torch, no engine).
+"""What a KV-cache method's settings are, and what a row-keeping method is (plain torch, no engine).
+
+Every method but SeKV is a `MethodSettings` subclass: its pydantic fields are its settings
+(deployment: `{"method": name, field: value}`); a setting of another method is refused at start-up
+naming the field. The runtime runs it through the runner of its kind (`runtime/method_runner.py`).
 
 A row-keeping method looks at a request's prompt once it is prefilled and keeps, per layer and
 per KV head, some of its rows at full resolution; the rest are evicted. Decode attends over what
 was kept plus every row generated since (`core.kept_rows_attention`). The budget is the number of
 prompt rows kept per KV head: a share of the prompt's full-KV bytes, all of it in the fast tier.
 
-Adding one: a file in this folder with a subclass, and its line in `ROW_METHODS` (`__init__.py`).
-Its pydantic fields are its settings (deployment: `{"method": name, field: value}`); a setting of
-another method is refused at start-up naming the field.
+Adding one: a file in this folder with a subclass, and its line in `METHODS` (`__init__.py`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ class PromptRows:
     queries: torch.Tensor
 
 
-class RowKeepingMethod(BaseModel, ABC):
-    """A method's settings (pydantic fields) and its choice of rows."""
+class MethodSettings(BaseModel):
+    """A method's name and settings (pydantic fields)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,8 +43,12 @@ class RowKeepingMethod(BaseModel, ABC):
 
     @property
     def query_window(self) -> int:
-        """Last prompt positions whose queries `keep` reads (0: none)."""
+        """Last prompt positions whose queries the method reads (0: none)."""
         return 0
+
+
+class RowKeepingMethod(MethodSettings, ABC):
+    """A method that keeps, per KV head, a choice of the prompt's rows (`keep`)."""
 
     @abstractmethod
     def keep(self, rows: PromptRows, n_keep: int) -> torch.Tensor:

@@ -16,11 +16,12 @@ import torch
 
 from sekv_vllm.config import RequestOverrides, SeKVConfig
 from sekv_vllm.core import LayerSpanMemory
-from sekv_vllm.methods import ROW_METHODS, SEKV
+from sekv_vllm.methods import METHODS, SEKV, MethodSettings, RowKeepingMethod
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.kept_rows import KeptRowsRunner
 from sekv_vllm.runtime.method_runner import MethodRunner
+from sekv_vllm.runtime.page_selection import PageSelectRunner
 from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal, running_figures
 from sekv_vllm.runtime.row_buffer import RowBuffer
 from sekv_vllm.runtime.row_placement import (
@@ -44,13 +45,20 @@ class SeKVRuntime:
         self.layer_names = layer_names
         self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
-        # Every method by name: SeKV's runner (its policy, kernel, spans) and one per row-keeping method.
+        # Every method by name: SeKV's runner (its policy, kernel, spans) and one per other method.
         self.sekv = SpanRunner(config, layer_names, self.pool, shape, model_name)
-        self.methods: dict[str, MethodRunner] = {SEKV: self.sekv, **{
-            name: KeptRowsRunner(config.row_method(name), layer_names, OWN_BLOCK, spare=config.window_growth + 1)
-            for name in ROW_METHODS}}
+        self.methods: dict[str, MethodRunner] = {
+            SEKV: self.sekv, **{name: self._runner(config.method_of(name)) for name in METHODS}}
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
+
+    def _runner(self, method: MethodSettings) -> MethodRunner:
+        """The runner of a method's kind: a choice of rows, or pages selected per step."""
+        spare = self.config.window_growth + 1
+        if isinstance(method, RowKeepingMethod):
+            return KeptRowsRunner(method, self.layer_names, OWN_BLOCK, spare=spare)
+        return PageSelectRunner(method, self.layer_names, self.pool, OWN_BLOCK, spare=spare,
+                                growth=self.config.window_growth)
 
     # -- admission ---------------------------------------------------------------------
     def admit(self, req_id: str, prompt_len: int, extra_args: dict | None) -> RequestMemory:

@@ -60,6 +60,8 @@ class RequestMemory:
     decode_calls: int = 0
     zoomed_spans_total: int = 0
     figures: dict = field(default_factory=dict)
+    # COMPRESSED: the state a method other than SeKV keeps for the request (e.g. quest's `SelectedPages`).
+    method_state: object | None = None
 
 
 @dataclass(frozen=True)

@@ -35,15 +35,20 @@ def test_sekv_backend_settings():
     assert grid.sekv_settings("sekv:span_score@c0") == {"zoom_policy": "span_score", "score_centroids": 0}
     assert grid.sekv_settings("sekv:router") == {"zoom_policy": "router"}
     assert grid.sekv_settings("sekv:router@c32b2") == {"zoom_policy": "router", "score_centroids": 32, "score_bits": 2}
-    methods = make_grid(backends=["sekv:snapkv", "sekv:streaming_llm"], sekv_config={"window": 16, "min_prompt_tokens": 9})
-    # an in-engine method keeps the settings every method reads, not SeKV's own
-    assert methods.sekv_settings("sekv:snapkv") == {"min_prompt_tokens": 9, "method": "snapkv"}
+    methods = make_grid(backends=["sekv", "sekv:snapkv", "sekv:streaming_llm"],
+                        sekv_config={"window": 16, "min_prompt_tokens": 9, "observation_window": 16})
+    # an in-engine method keeps its own settings and those every method reads, not SeKV's or another's
+    assert methods.sekv_settings("sekv:snapkv") == {"min_prompt_tokens": 9, "observation_window": 16, "method": "snapkv"}
+    assert methods.sekv_settings("sekv:streaming_llm") == {"min_prompt_tokens": 9, "method": "streaming_llm"}
+    assert methods.sekv_settings("sekv") == {"window": 16, "min_prompt_tokens": 9}
+    with pytest.raises(GridError, match=r"sekv_config: Value error, \['observation_windw'\] are settings of no method"):
+        make_grid(sekv_config={"observation_windw": 16})
     with pytest.raises(GridError, match=r"unknown backend\(s\) \['sekv:snapkv@c4'\]"):
         make_grid(backends=["sekv:snapkv@c4"])
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'oracle', 'quick', 'router', 'zoom'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'methods-engine', 'oracle', 'quick', 'router', 'zoom'\]"):
         make_grid("fast")
 
 

@@ -1,7 +1,7 @@
 """sekv inside vLLM's offline LLM on the default model, against stock vLLM."""
 import pytest
 
-from sekv_vllm.methods import ROW_METHODS
+from sekv_vllm.methods import METHODS
 from sekv_vllm.tasks.haystack import sentences
 from sekv_vllm.tasks.ruler import make_sample, score
 from tests.integration.conftest import run_job
@@ -48,11 +48,12 @@ def test_full_budget_equals_stock_vllm_token_for_token(model_dir, stock_run, tmp
     assert sum(fig["output_spans"] for fig in sekv["figures"][1:]) > 0  # the window was spanified
 
 
-def test_row_keeping_methods_at_full_budget_equal_stock_vllm_token_for_token(model_dir, stock_run, tmp_path):
-    # One engine: every registered row-keeping method (the deployment's, then the others per request), each
-    # keeping every prompt row (budget 1.0): their capture, kept rows, decode over them and output rows must be exact.
+def test_every_method_at_full_budget_equals_stock_vllm_token_for_token(model_dir, stock_run, tmp_path):
+    # One engine: every registered method but SeKV (the deployment's, then the others per request), each keeping
+    # or reading every prompt row (budget 1.0): their capture, kept rows or pages, decode over them and output
+    # rows must be exact.
     requests, stock = stock_run
-    methods = sorted(ROW_METHODS)
+    methods = sorted(METHODS)
     chosen = [{**r, "extra_args": {"sekv_method": m}} for m in methods for r in requests]
     run = run_job({"model": model_dir, "requests": chosen,
                    "additional_config": {"sekv": {"method": methods[0], "budget_ratio": 1.0, "min_prompt_tokens": 256}},
@@ -63,7 +64,7 @@ def test_row_keeping_methods_at_full_budget_equal_stock_vllm_token_for_token(mod
     figures = run["figures"]
     assert [f and f["method"] for f in figures] == [m if i else None for m in methods for i in range(len(requests))]  # the first is short
     assert all(f["fast_tier_fraction"] == 1.0 and f["decode_steps"] > 0 for f in figures if f)
-    assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm', 'snapkv' or 'tova'" in run["errors"][0]
+    assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm', 'snapkv', 'tova' or 'quest'" in run["errors"][0]
 
 
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):

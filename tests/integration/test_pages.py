@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sekv_vllm.methods import ROW_METHODS
+from sekv_vllm.methods import METHODS
 from tests.integration.conftest import PAGES_JOB, run_job
 
 pytestmark = pytest.mark.vllm
@@ -118,24 +118,25 @@ def test_spanified_output_returns_its_pages_too(model_dir, essay_ids, tmp_path):
     assert grown["free_at_end"] == grown["free_at_start"] and grown["host_pool_used_bytes"] == 0
 
 
-def test_every_row_keeping_method_returns_its_pages_survives_preemption_and_abort(model_dir, essay_ids, tmp_path):
-    # Every registered row-keeping method (the deployment's for the first, `sekv_method` for the others, in one
+def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir, essay_ids, tmp_path):
+    # Every registered method but SeKV (the deployment's for the first, `sekv_method` for the others, in one
     # engine) through prefill, compression, decode, pages handed back (as many held as its figures say),
-    # preemption under a tiny pool (same outputs as with room) and an abort.
-    methods = sorted(ROW_METHODS)
-    chosen = [methods[i % len(methods)] for i in range(4)]
+    # preemption under a tiny pool (same outputs as with room); one more request aborted.
+    methods = sorted(METHODS)
+    n = len(methods) + 1
+    chosen = [methods[i % len(methods)] for i in range(n)]
     spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256},
-            "prompts": essay_ids(700, 4), "extra_args": [{"sekv_method": m} for m in chosen], "max_tokens": 300,
-            "max_model_len": 1010, "abort": {"after_step": 3, "indices": [3]}}
+            "prompts": essay_ids(700, n), "extra_args": [{"sekv_method": m} for m in chosen], "max_tokens": 300,
+            "max_model_len": 1010, "abort": {"after_step": 3, "indices": [n - 1]}}
     # 10 pages of 128 tokens: three compressed requests run at once, their outputs outgrow the pool
     tiny, roomy = pages({**spec, "num_blocks": 11}, tmp_path), pages(spec, tmp_path)
     assert tiny["preemptions"] >= 1 and roomy["preemptions"] == 0
-    assert tiny["outputs"][:3] == roomy["outputs"][:3] and all(len(o) == 300 for o in roomy["outputs"][:3])
+    assert tiny["outputs"][: n - 1] == roomy["outputs"][: n - 1] and all(len(o) == 300 for o in roomy["outputs"][: n - 1])
     for r in (tiny, roomy):
         assert r["free_at_end"] == r["free_at_start"] and r["runtime_requests_left"] == 0
     bs = roomy["block_size"]
-    finished = {f["req_id"].split("-")[0]: f for f in roomy["figures"] if not f["req_id"].startswith("r3-")}
-    assert sorted(finished) == ["r0", "r1", "r2"]  # r3 was aborted
+    finished = {f["req_id"].split("-")[0]: f for f in roomy["figures"] if not f["req_id"].startswith(f"r{n - 1}-")}
+    assert sorted(finished) == [f"r{i}" for i in range(n - 1)]  # the last was aborted
     for rid, fig in finished.items():
         n = fig["prompt_tokens"]
         block_bytes = fig["full_kv_bytes"] // n * bs

@@ -1,4 +1,5 @@
-"""Row-keeping methods against references: kept positions, decode over kept rows, runtime life cycle."""
+"""Row-keeping methods against references: kept positions, decode over kept rows, runtime life cycle (with every
+registered method where the behaviour is common to all)."""
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from sekv_vllm.config import SeKVConfig, SeKVConfigError
 from sekv_vllm.core import exact_attention
-from sekv_vllm.methods import ROW_METHODS, TOVA, PromptRows, SnapKV, StreamingLLM, gather_kept
+from sekv_vllm.methods import METHODS, TOVA, PromptRows, SnapKV, StreamingLLM, gather_kept
 from sekv_vllm.runtime import SeKVRuntime, Status
 
 H, HKV, D, T = 6, 2, 16, 300
@@ -89,7 +90,7 @@ def prefill(rt, req_id, seed=0, chunk=70):
     return kvq
 
 
-@pytest.mark.parametrize("method", sorted(ROW_METHODS))
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_at_full_budget_decode_equals_exact_attention(method):
     rt = runtime(method, budget_ratio=1.0)
     assert rt.admit("r", T, None).method == method and not rt.needs_surprisal("r")
@@ -121,7 +122,7 @@ def test_snapkv_decodes_over_the_rows_it_chose_from_the_captured_queries():
 
 def test_a_batch_of_methods_gives_each_request_what_it_gets_alone():
     rt = runtime("sekv", budget_ratio=0.5, zoom_policy="span_score")
-    ids = {"a": None, **{f"r-{m}": {"sekv_method": m} for m in sorted(ROW_METHODS)}}
+    ids = {"a": None, **{f"r-{m}": {"sekv_method": m} for m in sorted(METHODS)}}
     for i, (r, extra) in enumerate(ids.items()):
         rt.admit(r, T, extra)
         if rt.needs_surprisal(r):
@@ -132,7 +133,7 @@ def test_a_batch_of_methods_gives_each_request_what_it_gets_alone():
     together = rt.attend_batch(list(ids), "l0", q, 0.25)
     for i, r in enumerate(ids):
         assert torch.allclose(together[i], rt.attend_batch([r], "l0", q[i : i + 1], 0.25)[0], atol=1e-6)
-    assert [rt.figures(r)["method"] for r in ids] == ["sekv", *sorted(ROW_METHODS)]
+    assert [rt.figures(r)["method"] for r in ids] == ["sekv", *sorted(METHODS)]
 
 
 def test_a_prompt_inside_the_observation_window_keeps_full_kv():
@@ -147,8 +148,8 @@ def test_settings_of_another_method_are_refused_naming_the_field():
         SeKVConfig.from_additional_config({"sekv": {"sink_tokens": 2}})
     with pytest.raises(SeKVConfigError, match=r"sekv\.pooling_kernel: .*must be odd"):
         SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "pooling_kernel": 4}})
-    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm', 'snapkv' or 'tova'"):
+    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm', 'snapkv', 'tova' or 'quest'"):
         SeKVConfig.from_additional_config({"sekv": {"method": "h2o"}})
     config = SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "observation_window": 32}})
-    assert SeKVConfig.from_additional_config({"sekv": config.normalised()}).row_method("snapkv") == SnapKV(observation_window=32)
-    assert config.row_method("streaming_llm") == StreamingLLM()  # another method: its defaults
+    assert SeKVConfig.from_additional_config({"sekv": config.normalised()}).method_of("snapkv") == SnapKV(observation_window=32)
+    assert config.method_of("streaming_llm") == StreamingLLM()  # another method: its defaults

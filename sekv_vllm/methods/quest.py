@@ -1,0 +1,67 @@
+"""Quest-like query-aware page selection (Tang et al., 2024): read only the pages the query may need.
+
+The prompt is cut into pages of `page_size` rows (the last, partial one stays with the output). Each page keeps, per KV head,
+the element-wise minimum and maximum of its keys; they bound every key of the page, so for a query
+q the page's largest attention logit is at most sum_d max(q_d lo_d, q_d hi_d). At each decode step
+the pages with the highest bounds are read and attended exactly, with the last rows and the output.
+
+As in Quest, pages are chosen per KV head and step, from the bounds alone. Unlike Quest, which keeps
+every page in GPU memory, the pages live in the host pool (nothing is evicted) and the fast tier holds
+the bounds, the window and the pages read per step. With GQA a KV head's pages are ranked by the
+largest bound among its query heads, each head's bounds first normalised by their log-sum-exp over
+the pages (heads' logit scales differ). Lossless when every page is read.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+
+from sekv_vllm.methods.base import MethodSettings
+
+
+class Quest(MethodSettings):
+    name: ClassVar[str] = "quest"
+
+    page_size: int = Field(16, ge=2, le=256, description="rows per page: one pair of key bounds per page and KV head")
+    window: int = Field(0, ge=0, description="last prompt rows always attended, beside the partial last page "
+                        "and the output (0: none, as Quest)")
+
+    def paged_rows(self, prompt_len: int) -> int:
+        """Prompt rows cut into whole pages: the rest (`window` rows and the partial page) is attended at every
+        step."""
+        return max(prompt_len - self.window, 0) // self.page_size * self.page_size
+
+
+def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key bounds of each page: k [P * page_size, Hkv, D] -> lo, hi [P, Hkv, D] (element-wise min and max)."""
+    pages = k.view(-1, page_size, *k.shape[1:])
+    return pages.amin(dim=1), pages.amax(dim=1)
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each page's rank per KV head: q [H, D], lo, hi [P, Hkv, D] -> [Hkv, P] float32.
+
+    Per query head the upper bound of the page's logits, log-softmax-normalised over the pages; per KV
+    head the largest among its query heads.
+    """
+    H, D = q.shape
+    Hkv = lo.shape[1]
+    qg = q.float().view(Hkv, H // Hkv, 1, D)
+    lo_h, hi_h = lo.float().permute(1, 0, 2)[:, None], hi.float().permute(1, 0, 2)[:, None]  # [Hkv, 1, P, D]
+    bound = torch.maximum(qg * lo_h, qg * hi_h).sum(dim=-1) * scale  # [Hkv, G, P]
+    return torch.log_softmax(bound, dim=-1).amax(dim=1)
+
+
+def top_pages(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """The n best pages of each KV head, ascending: scores [Hkv, P] -> [Hkv, n] int64."""
+    return scores.topk(n, dim=-1).indices.sort(dim=-1).values
+
+
+def gather_pages(pages: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The rows of each KV head's chosen pages: pages [P, page_size, Hkv, D], chosen [Hkv, n] ->
+    [n * page_size, Hkv, D] (row j of KV head h from its own pages, in page order)."""
+    heads = torch.arange(pages.shape[2], device=pages.device)[:, None]
+    rows = pages[chosen, :, heads]  # [Hkv, n, page_size, D]
+    return rows.flatten(1, 2).transpose(0, 1)

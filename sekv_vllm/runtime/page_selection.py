@@ -1,0 +1,196 @@
+"""A page-selecting method's requests in the runtime (`PageSelectRunner`, methods/quest.py): the prompt's
+pages into the host pool with their key bounds in the fast tier, then decode over the pages each step's
+query ranks highest and the window (torch only).
+
+The window (the prompt's last rows, then the output) lives in `PagedRows` like a row method's kept
+rows, so it moves into vLLM's pages and survives preemption the same way. As the output grows, its
+oldest whole pages go to the host pool as the prompt's did (one path, `_page_out`) and their vLLM
+pages are returned.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from sekv_vllm.core import exact_attention
+from sekv_vllm.methods.quest import Quest, gather_pages, page_bounds, page_scores, top_pages
+from sekv_vllm.pool import HostPool
+from sekv_vllm.runtime.method_runner import MethodRunner
+from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, row_bytes
+
+logger = logging.getLogger("sekv_vllm")
+
+
+@dataclass
+class SelectedPages:
+    """A request's page state (`RequestMemory.method_state`).
+
+    paged: positions [0, paged) are in host pages of every layer (pool key: the layer name, entry
+    (k, v) [P, page_size, Hkv, D]); lo, hi: per layer [P, Hkv, D] their key bounds (empty when every
+    page is read); budget_rows: the fast-tier rows the request may hold for its paged text, window and
+    pages read (grows with the output at the request's ratio); pages_per_step: pages read per KV head.
+    """
+
+    paged: int
+    budget_rows: int
+    pages_per_step: int
+    read_all: bool
+    lo: dict[str, torch.Tensor] = field(default_factory=dict)
+    hi: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int, read_all: bool) -> int:
+    """Pages read per KV head and step: every page with `read_all`, else the pages the budget leaves once
+    the bounds (one row per page: its lo and hi keys) and the window are paid for."""
+    if read_all:
+        return pages
+    return min(max((budget_rows - pages - window_rows) // page_size, 0), pages)
+
+
+class PageSelectRunner(MethodRunner):
+    """Quest's requests; window rows go into pages of `block` rows with room for `spare` more; `growth`:
+    rows the window may grow past `method.window` before its oldest pages go to the host pool (0: never)."""
+
+    def __init__(self, method: Quest, layer_names: list[str], pool: HostPool, block: int, spare: int,
+                 growth: int) -> None:
+        self.method, self.layer_names, self.pool = method, layer_names, pool
+        self.block, self.spare, self.growth = block, spare, growth
+
+    def full_kv_reason(self, prompt_len: int) -> str:
+        m = self.method
+        if m.paged_rows(prompt_len) == 0:
+            return f"prompt ({prompt_len}) shorter than {m.name}'s window ({m.window}) + one page ({m.page_size})"
+        return ""
+
+    def _pages_per_step(self, st: SelectedPages, window_rows: int) -> int:
+        return pages_read(st.budget_rows, st.paged // self.method.page_size, window_rows, self.method.page_size,
+                          st.read_all)
+
+    def compress(self, mem: RequestMemory) -> str:
+        m, T = self.method, mem.prompt_len
+        paged = m.paged_rows(T)
+        # the whole prompt fits the budget: every page read, no bounds needed
+        st = SelectedPages(paged=0, budget_rows=mem.budget, pages_per_step=0, read_all=mem.budget >= T)
+        if pages_read(mem.budget, paged // m.page_size, T - paged, m.page_size, st.read_all) < 1:
+            return (f"budget ({mem.budget} rows) cannot hold {m.name}'s page bounds ({paged // m.page_size} rows), "
+                    f"window ({T - paged}) and one page ({m.page_size})")
+        rows = {name: mem.captured[name].view() for name in self.layer_names}
+        if not self._page_out(mem, st, rows, paged):
+            self.pool.release(mem.req_id)
+            return "host pool full"
+        st.pages_per_step = self._pages_per_step(st, T - paged)
+        mem.method_state = st
+        mem.next_position = next(iter(mem.captured.values())).length
+        # Rows past the prompt (a resumed request's earlier output) stay in the window.
+        mem.rows = {name: PagedRows.of_rows(k[paged:], v[paged:], self.block, spare=self.spare)
+                    for name, (k, v) in rows.items()}
+        mem.captured = {}
+        mem.status = Status.COMPRESSED
+        mem.figures = self._figures(mem, st, T - paged)
+        logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d host pages of %d rows, %d read per step; "
+                    "fast tier %.1f%% of full KV", mem.req_id, m.name, T, paged // m.page_size, m.page_size,
+                    st.pages_per_step, 100 * mem.figures["fast_tier_fraction"])
+        return ""
+
+    def _page_out(self, mem: RequestMemory, st: SelectedPages, rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  n: int) -> bool:
+        """Rows [0, n) of every layer's rows (k, v [>= n, Hkv, D]; positions from st.paged on) into host pages
+        beside the request's earlier ones, their bounds into the fast tier; False (nothing changed) when the
+        host pool cannot take them."""
+        page = self.method.page_size
+        new = {name: (k[:n].reshape(-1, page, *k.shape[1:]).clone(), v[:n].reshape(-1, page, *v.shape[1:]).clone())
+               for name, (k, v) in rows.items()}
+        merged = {}
+        for name, (k, v) in new.items():
+            if st.paged:
+                old_k, old_v = self.pool.load(mem.req_id, name)
+                k, v = torch.cat([old_k, k]), torch.cat([old_v, v])
+            merged[name] = (k, v)
+        added = sum(k.nbytes + v.nbytes for k, v in new.values())
+        if not self.pool.fits(added):
+            return False
+        for name, (k, v) in merged.items():
+            self.pool.store(mem.req_id, name, (k, v), k.nbytes + v.nbytes)
+            if not st.read_all:
+                lo, hi = page_bounds(rows[name][0][:n], page)
+                st.lo[name] = torch.cat([st.lo[name], lo]) if name in st.lo else lo
+                st.hi[name] = torch.cat([st.hi[name], hi]) if name in st.hi else hi
+        st.paged += n
+        return True
+
+    def _figures(self, mem: RequestMemory, st: SelectedPages, window_rows: int) -> dict:
+        row, L = row_bytes(next(iter(mem.rows.values()))), len(self.layer_names)
+        pages = st.paged // self.method.page_size
+        # the fast tier: bounds (one row per page), the window and the pages read per step
+        fast_rows = mem.prompt_len if st.read_all else pages + window_rows + st.pages_per_step * self.method.page_size
+        figures = {
+            "req_id": mem.req_id,
+            "method": mem.method,
+            "prompt_tokens": mem.prompt_len,
+            "budget_rows": mem.budget,
+            "spans": 0,
+            "host_pages": pages,
+            "page_size": self.method.page_size,
+            "pages_per_step": st.pages_per_step,
+            "window_tokens": window_rows,
+            "full_kv_bytes": mem.prompt_len * row * L,
+            "fast_tier_bytes": fast_rows * row * L,
+            "host_pool_bytes": self.pool.owner_bytes(mem.req_id),
+        }
+        figures["fast_tier_fraction"] = figures["fast_tier_bytes"] / figures["full_kv_bytes"]
+        return figures
+
+    def attend(self, mems: list[RequestMemory], layer_name: str, q: torch.Tensor, scale: float,
+               new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for i, mem in enumerate(mems):
+            st: SelectedPages = mem.method_state
+            k_pages, v_pages = self.pool.load(mem.req_id, layer_name)
+            if st.read_all:
+                k_read, v_read = k_pages.flatten(0, 1), v_pages.flatten(0, 1)
+            else:
+                chosen = top_pages(page_scores(q[i], st.lo[layer_name], st.hi[layer_name], scale), st.pages_per_step)
+                k_read, v_read = gather_pages(k_pages, chosen), gather_pages(v_pages, chosen)
+            k_win, v_win = mem.rows[layer_name].view()
+            out[i] = exact_attention(q[i], torch.cat([k_read, k_win]), torch.cat([v_read, v_win]), scale)
+            mem.decode_calls += 1
+            mem.zoomed_spans_total += st.pages_per_step
+        return out
+
+    def window_due(self, mem: RequestMemory) -> bool:
+        if not self.growth or mem.status is not Status.COMPRESSED or mem.suspended:
+            return False
+        st: SelectedPages = mem.method_state
+        return mem.next_position - st.paged >= self.method.window + self.growth
+
+    def grow_output(self, mem: RequestMemory) -> SpanifiedRows | None:
+        """The window's oldest whole pages (all but its last `window` rows) go to the host pool; the budget
+        grows with them at the request's ratio. None when the host pool cannot take them (logged)."""
+        st: SelectedPages = mem.method_state
+        m, start = self.method, st.paged
+        n = (mem.next_position - start - m.window) // m.page_size * m.page_size
+        if n <= 0:
+            return None
+        rows = {name: mem.rows[name].view() for name in self.layer_names}
+        pages_before = st.pages_per_step
+        if not self._page_out(mem, st, rows, n):
+            logger.warning("sekv: host pool full (%d of %d bytes used): request %s keeps its last %d rows in the "
+                           "fast tier", self.pool.used_bytes, self.pool.capacity_bytes, mem.req_id, n + m.window)
+            return None
+        mem.rows = {name: PagedRows.of_rows(k[n:], v[n:], self.block, spare=self.growth + 1)
+                    for name, (k, v) in rows.items()}
+        added_budget = math.ceil(n * mem.budget / mem.prompt_len)
+        st.budget_rows += added_budget
+        window_rows = mem.figures["window_tokens"]
+        st.pages_per_step = self._pages_per_step(st, window_rows)
+        read_more = (st.pages_per_step - pages_before) * m.page_size
+        fast_rows = (0 if st.read_all else n // m.page_size) + read_more
+        fast_bytes = fast_rows * row_bytes(mem.rows[self.layer_names[0]]) * len(self.layer_names)
+        mem.output_fast_tier_bytes += fast_bytes
+        logger.info("sekv: %s: output rows %d-%d -> %d host pages; %d pages read per step", mem.req_id, start,
+                    start + n, n // m.page_size, st.pages_per_step)
+        return SpanifiedRows(start, start + n, 0, fast_bytes)
