@@ -1,6 +1,7 @@
 """Quest-like query-aware page selection (Tang et al., 2024): read only the pages the query may need.
 
-The prompt is cut into pages of `page_size` rows (the last, partial one stays with the output). Each page keeps, per KV head,
+The prompt is cut into pages of `page_size` rows (the last, partial one stays with the output, the
+window). Each page keeps, per KV head,
 the element-wise minimum and maximum of its keys; they bound every key of the page, so for a query
 q the page's largest attention logit is at most sum_d max(q_d lo_d, q_d hi_d). At each decode step
 the pages with the highest bounds are read and attended exactly, with the last rows and the output.
@@ -25,13 +26,13 @@ class Quest(MethodSettings):
     name: ClassVar[str] = "quest"
 
     page_size: int = Field(16, ge=2, le=256, description="rows per page: one pair of key bounds per page and KV head")
-    window: int = Field(0, ge=0, description="last prompt rows always attended, beside the partial last page "
-                        "and the output (0: none, as Quest)")
+    recent_rows: int = Field(0, ge=0, description="last prompt rows always attended, beside the partial last page "
+                             "and the output (0: none, as Quest)")
 
     def paged_rows(self, prompt_len: int) -> int:
-        """Prompt rows cut into whole pages: the rest (`window` rows and the partial page) is attended at every
+        """Prompt rows cut into whole pages: the rest (`recent_rows` and the partial page) is attended at every
         step."""
-        return max(prompt_len - self.window, 0) // self.page_size * self.page_size
+        return max(prompt_len - self.recent_rows, 0) // self.page_size * self.page_size
 
 
 def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,13 +45,14 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: floa
     """Each page's rank per KV head: q [H, D], lo, hi [P, Hkv, D] -> [Hkv, P] float32.
 
     Per query head the upper bound of the page's logits, log-softmax-normalised over the pages; per KV
-    head the largest among its query heads.
+    head the largest among its query heads. max(q lo, q hi) = q (lo + hi) / 2 + |q| (hi - lo) / 2, so
+    the bound is two products with the pages' centres and half-widths.
     """
     H, D = q.shape
     Hkv = lo.shape[1]
-    qg = q.float().view(Hkv, H // Hkv, 1, D)
-    lo_h, hi_h = lo.float().permute(1, 0, 2)[:, None], hi.float().permute(1, 0, 2)[:, None]  # [Hkv, 1, P, D]
-    bound = torch.maximum(qg * lo_h, qg * hi_h).sum(dim=-1) * scale  # [Hkv, G, P]
+    qg = q.float().view(Hkv, H // Hkv, D)
+    centre, half = (hi.float() + lo.float()) / 2, (hi.float() - lo.float()) / 2
+    bound = (torch.einsum("kgd,pkd->kgp", qg, centre) + torch.einsum("kgd,pkd->kgp", qg.abs(), half)) * scale
     return torch.log_softmax(bound, dim=-1).amax(dim=1)
 
 

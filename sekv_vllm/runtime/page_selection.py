@@ -5,7 +5,8 @@ query ranks highest and the window (torch only).
 The window (the prompt's last rows, then the output) lives in `PagedRows` like a row method's kept
 rows, so it moves into vLLM's pages and survives preemption the same way. As the output grows, its
 oldest whole pages go to the host pool as the prompt's did (one path, `_page_out`) and their vLLM
-pages are returned.
+pages are returned. A budget that covers the whole prompt keeps every row in the window (nothing
+paged, nothing to select: exact attention, as a row method at full budget).
 """
 from __future__ import annotations
 
@@ -30,30 +31,30 @@ class SelectedPages:
     """A request's page state (`RequestMemory.method_state`).
 
     paged: positions [0, paged) are in host pages of every layer (pool key: the layer name, entry
-    (k, v) [P, page_size, Hkv, D]); lo, hi: per layer [P, Hkv, D] their key bounds (empty when every
-    page is read); budget_rows: the fast-tier rows the request may hold for its paged text, window and
-    pages read (grows with the output at the request's ratio); pages_per_step: pages read per KV head.
+    (k, v) [P, page_size, Hkv, D]; 0: nothing paged, every row in the window); lo, hi: per layer
+    [P, Hkv, D] their key bounds; budget_rows: the fast-tier rows the request may hold for its paged text, window and
+    pages read (grows with the output at the request's ratio); pages_per_step: pages read per KV head;
+    window_rows: the prompt rows not paged (what the budget pays for beside the bounds and the pages read;
+    the output's rows are not charged, as with every method).
     """
 
     paged: int
     budget_rows: int
     pages_per_step: int
-    read_all: bool
+    window_rows: int
     lo: dict[str, torch.Tensor] = field(default_factory=dict)
     hi: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int, read_all: bool) -> int:
-    """Pages read per KV head and step: every page with `read_all`, else the pages the budget leaves once
-    the bounds (one row per page: its lo and hi keys) and the window are paid for."""
-    if read_all:
-        return pages
+def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int) -> int:
+    """Pages read per KV head and step: what the budget leaves once the bounds (one row per page: its lo and
+    hi keys) and the window are paid for."""
     return min(max((budget_rows - pages - window_rows) // page_size, 0), pages)
 
 
 class PageSelectRunner(MethodRunner):
     """Quest's requests; window rows go into pages of `block` rows with room for `spare` more; `growth`:
-    rows the window may grow past `method.window` before its oldest pages go to the host pool (0: never)."""
+    rows the window may grow past `method.recent_rows` before its oldest pages go to the host pool (0: never)."""
 
     def __init__(self, method: Quest, layer_names: list[str], pool: HostPool, block: int, spare: int,
                  growth: int) -> None:
@@ -63,26 +64,22 @@ class PageSelectRunner(MethodRunner):
     def full_kv_reason(self, prompt_len: int) -> str:
         m = self.method
         if m.paged_rows(prompt_len) == 0:
-            return f"prompt ({prompt_len}) shorter than {m.name}'s window ({m.window}) + one page ({m.page_size})"
+            return (f"prompt ({prompt_len}) shorter than {m.name}'s recent_rows ({m.recent_rows}) + one page "
+                    f"({m.page_size})")
         return ""
-
-    def _pages_per_step(self, st: SelectedPages, window_rows: int) -> int:
-        return pages_read(st.budget_rows, st.paged // self.method.page_size, window_rows, self.method.page_size,
-                          st.read_all)
 
     def compress(self, mem: RequestMemory) -> str:
         m, T = self.method, mem.prompt_len
-        paged = m.paged_rows(T)
-        # the whole prompt fits the budget: every page read, no bounds needed
-        st = SelectedPages(paged=0, budget_rows=mem.budget, pages_per_step=0, read_all=mem.budget >= T)
-        if pages_read(mem.budget, paged // m.page_size, T - paged, m.page_size, st.read_all) < 1:
+        # A budget that covers the prompt reads every row: nothing to page or select.
+        paged = 0 if mem.budget >= T else m.paged_rows(T)
+        st = SelectedPages(paged=0, budget_rows=mem.budget, pages_per_step=0, window_rows=T - paged)
+        if paged and pages_read(mem.budget, paged // m.page_size, T - paged, m.page_size) < 1:
             return (f"budget ({mem.budget} rows) cannot hold {m.name}'s page bounds ({paged // m.page_size} rows), "
                     f"window ({T - paged}) and one page ({m.page_size})")
         rows = {name: mem.captured[name].view() for name in self.layer_names}
-        if not self._page_out(mem, st, rows, paged):
-            self.pool.release(mem.req_id)
+        if paged and not self._page_out(mem, st, rows, paged):
             return "host pool full"
-        st.pages_per_step = self._pages_per_step(st, T - paged)
+        st.pages_per_step = pages_read(mem.budget, st.paged // m.page_size, st.window_rows, m.page_size)
         mem.method_state = st
         mem.next_position = next(iter(mem.captured.values())).length
         # Rows past the prompt (a resumed request's earlier output) stay in the window.
@@ -90,7 +87,7 @@ class PageSelectRunner(MethodRunner):
                     for name, (k, v) in rows.items()}
         mem.captured = {}
         mem.status = Status.COMPRESSED
-        mem.figures = self._figures(mem, st, T - paged)
+        mem.figures = self._figures(mem, st)
         logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d host pages of %d rows, %d read per step; "
                     "fast tier %.1f%% of full KV", mem.req_id, m.name, T, paged // m.page_size, m.page_size,
                     st.pages_per_step, 100 * mem.figures["fast_tier_fraction"])
@@ -102,31 +99,27 @@ class PageSelectRunner(MethodRunner):
         beside the request's earlier ones, their bounds into the fast tier; False (nothing changed) when the
         host pool cannot take them."""
         page = self.method.page_size
-        new = {name: (k[:n].reshape(-1, page, *k.shape[1:]).clone(), v[:n].reshape(-1, page, *v.shape[1:]).clone())
-               for name, (k, v) in rows.items()}
-        merged = {}
-        for name, (k, v) in new.items():
+        if not self.pool.fits(sum(2 * k[:n].nbytes for k, _ in rows.values())):
+            return False
+        for name, (k, v) in rows.items():
+            k_new, v_new = k[:n].reshape(-1, page, *k.shape[1:]), v[:n].reshape(-1, page, *v.shape[1:])
             if st.paged:
                 old_k, old_v = self.pool.load(mem.req_id, name)
-                k, v = torch.cat([old_k, k]), torch.cat([old_v, v])
-            merged[name] = (k, v)
-        added = sum(k.nbytes + v.nbytes for k, v in new.values())
-        if not self.pool.fits(added):
-            return False
-        for name, (k, v) in merged.items():
-            self.pool.store(mem.req_id, name, (k, v), k.nbytes + v.nbytes)
-            if not st.read_all:
-                lo, hi = page_bounds(rows[name][0][:n], page)
-                st.lo[name] = torch.cat([st.lo[name], lo]) if name in st.lo else lo
-                st.hi[name] = torch.cat([st.hi[name], hi]) if name in st.hi else hi
+                k_new, v_new = torch.cat([old_k, k_new]), torch.cat([old_v, v_new])
+            else:  # a copy that holds exactly these rows, not a view of the prefill buffer
+                k_new, v_new = k_new.clone(), v_new.clone()
+            self.pool.store(mem.req_id, name, (k_new, v_new), k_new.nbytes + v_new.nbytes)
+            lo, hi = page_bounds(k[:n], page)
+            st.lo[name] = torch.cat([st.lo[name], lo]) if name in st.lo else lo
+            st.hi[name] = torch.cat([st.hi[name], hi]) if name in st.hi else hi
         st.paged += n
         return True
 
-    def _figures(self, mem: RequestMemory, st: SelectedPages, window_rows: int) -> dict:
+    def _figures(self, mem: RequestMemory, st: SelectedPages) -> dict:
         row, L = row_bytes(next(iter(mem.rows.values()))), len(self.layer_names)
         pages = st.paged // self.method.page_size
         # the fast tier: bounds (one row per page), the window and the pages read per step
-        fast_rows = mem.prompt_len if st.read_all else pages + window_rows + st.pages_per_step * self.method.page_size
+        fast_rows = pages + st.window_rows + st.pages_per_step * self.method.page_size
         figures = {
             "req_id": mem.req_id,
             "method": mem.method,
@@ -136,7 +129,7 @@ class PageSelectRunner(MethodRunner):
             "host_pages": pages,
             "page_size": self.method.page_size,
             "pages_per_step": st.pages_per_step,
-            "window_tokens": window_rows,
+            "window_tokens": st.window_rows,
             "full_kv_bytes": mem.prompt_len * row * L,
             "fast_tier_bytes": fast_rows * row * L,
             "host_pool_bytes": self.pool.owner_bytes(mem.req_id),
@@ -149,14 +142,12 @@ class PageSelectRunner(MethodRunner):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for i, mem in enumerate(mems):
             st: SelectedPages = mem.method_state
-            k_pages, v_pages = self.pool.load(mem.req_id, layer_name)
-            if st.read_all:
-                k_read, v_read = k_pages.flatten(0, 1), v_pages.flatten(0, 1)
-            else:
+            k, v = mem.rows[layer_name].view()
+            if st.paged:
+                k_pages, v_pages = self.pool.load(mem.req_id, layer_name)
                 chosen = top_pages(page_scores(q[i], st.lo[layer_name], st.hi[layer_name], scale), st.pages_per_step)
-                k_read, v_read = gather_pages(k_pages, chosen), gather_pages(v_pages, chosen)
-            k_win, v_win = mem.rows[layer_name].view()
-            out[i] = exact_attention(q[i], torch.cat([k_read, k_win]), torch.cat([v_read, v_win]), scale)
+                k, v = torch.cat([gather_pages(k_pages, chosen), k]), torch.cat([gather_pages(v_pages, chosen), v])
+            out[i] = exact_attention(q[i], k, v, scale)
             mem.decode_calls += 1
             mem.zoomed_spans_total += st.pages_per_step
         return out
@@ -165,30 +156,32 @@ class PageSelectRunner(MethodRunner):
         if not self.growth or mem.status is not Status.COMPRESSED or mem.suspended:
             return False
         st: SelectedPages = mem.method_state
-        return mem.next_position - st.paged >= self.method.window + self.growth
+        return (st.paged > 0 and mem.next_position - st.paged >= self.method.recent_rows + self.growth
+                and mem.next_position >= mem.spanify_from)
 
     def grow_output(self, mem: RequestMemory) -> SpanifiedRows | None:
-        """The window's oldest whole pages (all but its last `window` rows) go to the host pool; the budget
-        grows with them at the request's ratio. None when the host pool cannot take them (logged)."""
+        """The window's oldest whole pages (all but its last `recent_rows` rows) go to the host pool; the budget
+        grows with them at the request's ratio. None when the host pool cannot take them (logged; tried again
+        `growth` rows later)."""
         st: SelectedPages = mem.method_state
         m, start = self.method, st.paged
-        n = (mem.next_position - start - m.window) // m.page_size * m.page_size
+        n = (mem.next_position - start - m.recent_rows) // m.page_size * m.page_size
         if n <= 0:
             return None
         rows = {name: mem.rows[name].view() for name in self.layer_names}
         pages_before = st.pages_per_step
         if not self._page_out(mem, st, rows, n):
+            mem.spanify_from = mem.next_position + self.growth
             logger.warning("sekv: host pool full (%d of %d bytes used): request %s keeps its last %d rows in the "
-                           "fast tier", self.pool.used_bytes, self.pool.capacity_bytes, mem.req_id, n + m.window)
+                           "fast tier", self.pool.used_bytes, self.pool.capacity_bytes, mem.req_id,
+                           mem.next_position - start)
             return None
         mem.rows = {name: PagedRows.of_rows(k[n:], v[n:], self.block, spare=self.growth + 1)
                     for name, (k, v) in rows.items()}
-        added_budget = math.ceil(n * mem.budget / mem.prompt_len)
-        st.budget_rows += added_budget
-        window_rows = mem.figures["window_tokens"]
-        st.pages_per_step = self._pages_per_step(st, window_rows)
-        read_more = (st.pages_per_step - pages_before) * m.page_size
-        fast_rows = (0 if st.read_all else n // m.page_size) + read_more
+        st.budget_rows += math.ceil(n * mem.budget / mem.prompt_len)
+        st.pages_per_step = pages_read(st.budget_rows, st.paged // m.page_size, st.window_rows, m.page_size)
+        # the new pages' bounds and the rows read per step in more
+        fast_rows = n // m.page_size + (st.pages_per_step - pages_before) * m.page_size
         fast_bytes = fast_rows * row_bytes(mem.rows[self.layer_names[0]]) * len(self.layer_names)
         mem.output_fast_tier_bytes += fast_bytes
         logger.info("sekv: %s: output rows %d-%d -> %d host pages; %d pages read per step", mem.req_id, start,

@@ -127,14 +127,16 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
 
 @pytest.mark.vllm
 def test_ci_profile_through_the_openai_server_with_concurrency(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite.run", "--profile", "ci", "--via", "server",
-                           "--concurrency", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    # sekv's server alone (full KV's answers are checked offline, above): one server start less
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite.run", "--profile", "ci", "--backends", "sekv",
+                           "--via", "server", "--concurrency", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = load_records(tmp_path / "records.jsonl")
-    assert sorted(map(job_key, records)) == sorted(map(job_key, make_grid("ci").jobs()))
+    assert sorted(map(job_key, records)) == sorted(map(job_key, make_grid("ci", backends=["sekv"]).jobs()))
     assert all(r["via"] == "server" and r["batch_size"] == 2 for r in records)
-    assert sum(r["score"] for r in records if r["backend"] == "vllm") >= 1  # full KV finds 1K needles
     sekv = [r for r in records if r["backend"] == "sekv"]
+    assert len(sekv) == 2 and all(r["output"] for r in sekv)
     # budget 0.5 of the prompt's rows, plus the spans' float16 scoring centroids
     assert all(r["fast_tier_fraction"] is not None and r["fast_tier_fraction"] <= 0.7 for r in sekv)
 

@@ -114,8 +114,8 @@ def test_the_page_holding_a_needle_is_read_where_a_recent_window_alone_would_mis
     assert bool((top_pages(page_scores(q[0], lo, hi, scale), 2) == 2).any(dim=1).all())  # every KV head reads page 2
 
 
-def test_the_output_grows_into_host_pages_and_decode_still_equals_the_reference():
-    rt = runtime(budget_ratio=1.0, window_growth=32)
+def test_the_output_grows_into_host_pages_and_decode_reads_them_like_the_prompts():
+    rt = runtime(budget_ratio=0.5, window_growth=32)
     rt.admit("r", T, None)
     kv = prefill(rt, "r")
     rt.compress("r")
@@ -130,11 +130,49 @@ def test_the_output_grows_into_host_pages_and_decode_still_equals_the_reference(
         if rt.window_due("r"):
             parts.append(rt.spanify_window("r"))
     assert [(p.start, p.stop) for p in parts] == [(288, 320)]  # due at position 288 + 32: two pages out
-    q = torch.randn(1, H, D, generator=g)
-    out = rt.attend_batch(["r"], "l0", q, 0.25)  # budget 1.0: every page read, lossless
-    assert torch.allclose(out[0], exact_attention(q[0], k_all, v_all, 0.25), atol=1e-5)
     st = rt.get("r").method_state
-    assert st.paged == 320 and st.pages_per_step == 20 and rt.get("r").rows["l0"].length == 340 - 320
+    # budget 150 rows + 16 for the 32 rows paged out: 20 bounds, 12 window rows, 8 pages of 16
+    assert st.paged == 320 and st.budget_rows == 166 and st.pages_per_step == 8
+    assert rt.get("r").rows["l0"].length == 340 - 320
+    assert parts[0].fast_tier_bytes == (2 + (8 - 7) * PAGE) * 2 * HKV * D * 4 * len(LAYERS)
+    q = torch.randn(1, H, D, generator=g)
+    out = rt.attend_batch(["r"], "l0", q, 0.25)
+    lo, hi = page_bounds(k_all[:320], PAGE)
+    chosen = top_pages(page_scores(q[0], lo, hi, 0.25), 8)
+    k_read = gather_pages(k_all[:320].view(-1, PAGE, HKV, D), chosen)
+    v_read = gather_pages(v_all[:320].view(-1, PAGE, HKV, D), chosen)
+    ref = exact_attention(q[0], torch.cat([k_read, k_all[320:]]), torch.cat([v_read, v_all[320:]]), 0.25)
+    assert torch.allclose(out[0], ref, atol=1e-5)
+
+
+def test_a_budget_covering_the_prompt_keeps_every_row_in_the_window_and_needs_no_host_pool():
+    rt = runtime(budget_ratio=1.0, window_growth=32, host_pool_bytes=0)
+    rt.admit("r", T, None)
+    prefill(rt, "r")
+    assert rt.compress("r").status is Status.COMPRESSED
+    fig = rt.figures("r")
+    assert fig["host_pages"] == 0 and fig["host_pool_bytes"] == 0 and fig["fast_tier_fraction"] == 1.0
+    for step in range(40):
+        for name in LAYERS:
+            rt.capture("r", name, T + step, torch.randn(1, HKV, D), torch.randn(1, HKV, D))
+    assert not rt.window_due("r")  # nothing to page out either
+
+
+def test_a_full_host_pool_at_output_growth_is_tried_again_a_growth_later():
+    rt = runtime(budget_ratio=0.5, window_growth=32)
+    rt.admit("r", T, None)
+    prefill(rt, "r")
+    rt.compress("r")
+    rt.pool.capacity_bytes = rt.pool.used_bytes  # full from now on
+    tries = 0
+    for step in range(80):
+        for name in LAYERS:
+            rt.capture("r", name, T + step, torch.randn(1, HKV, D), torch.randn(1, HKV, D))
+        if rt.window_due("r"):
+            tries += 1
+            assert rt.spanify_window("r") is None
+    assert tries == 2  # at positions 320 and 352 (the window keeps its rows between)
+    assert rt.get("r").rows["l0"].length == 380 - 288
 
 
 def test_a_budget_too_small_for_bounds_window_and_one_page_keeps_full_kv_and_says_why():
@@ -144,7 +182,7 @@ def test_a_budget_too_small_for_bounds_window_and_one_page_keeps_full_kv_and_say
     mem = rt.compress("r")
     assert mem.status is Status.FULL_KV
     assert mem.reason == "budget (40 rows) cannot hold quest's page bounds (18 rows), window (12) and one page (16)"
-    assert rt.admit("s", 10, None).reason == "prompt (10) shorter than quest's window (0) + one page (16)"
+    assert rt.admit("s", 10, None).reason == "prompt (10) shorter than quest's recent_rows (0) + one page (16)"
 
 
 def test_a_full_host_pool_keeps_full_kv():
