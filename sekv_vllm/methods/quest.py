@@ -41,19 +41,30 @@ def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Te
     return pages.amin(dim=1), pages.amax(dim=1)
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each page's rank per KV head: q [H, D], lo, hi [P, Hkv, D] -> [Hkv, P] float32.
+def page_box(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each page's key box as centre and half-width: lo, hi [P, Hkv, D] -> [P, Hkv, D] each, in their dtype (the
+    bytes of the bounds; kept so that a decode step does not derive them again)."""
+    lo32, hi32 = lo.float(), hi.float()
+    return ((hi32 + lo32) / 2).to(lo.dtype), ((hi32 - lo32) / 2).to(lo.dtype)
 
-    Per query head the upper bound of the page's logits, log-softmax-normalised over the pages; per KV
-    head the largest among its query heads. max(q lo, q hi) = q (lo + hi) / 2 + |q| (hi - lo) / 2, so
-    the bound is two products with the pages' centres and half-widths.
+
+def box_scores(q: torch.Tensor, centre: torch.Tensor, half: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each page's rank per KV head: q [H, D], centre, half [P, Hkv, D] (`page_box`) -> [Hkv, P] float32.
+
+    Per query head the upper bound of the page's logits, sum_d max(q_d lo_d, q_d hi_d) = q . centre +
+    |q| . half, log-softmax-normalised over the pages; per KV head the largest among its query heads.
     """
     H, D = q.shape
-    Hkv = lo.shape[1]
+    Hkv = centre.shape[1]
     qg = q.float().view(Hkv, H // Hkv, D)
-    centre, half = (hi.float() + lo.float()) / 2, (hi.float() - lo.float()) / 2
+    centre, half = centre.float(), half.float()  # no copy for a float32 cache
     bound = (torch.einsum("kgd,pkd->kgp", qg, centre) + torch.einsum("kgd,pkd->kgp", qg.abs(), half)) * scale
     return torch.log_softmax(bound, dim=-1).amax(dim=1)
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """`box_scores` from the pages' key bounds lo, hi [P, Hkv, D]."""
+    return box_scores(q, *page_box(lo, hi), scale)
 
 
 def top_pages(scores: torch.Tensor, n: int) -> torch.Tensor:

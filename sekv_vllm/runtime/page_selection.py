@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sekv_vllm.core import exact_attention
-from sekv_vllm.methods.quest import Quest, gather_pages, page_bounds, page_scores, top_pages
+from sekv_vllm.methods.quest import Quest, box_scores, gather_pages, page_bounds, page_box, top_pages
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows
@@ -31,8 +31,8 @@ class SelectedPages:
     """A request's page state (`RequestMemory.method_state`).
 
     paged: positions [0, paged) are in host pages of every layer (pool key: the layer name, entry
-    (k, v) [P, page_size, Hkv, D]; 0: nothing paged, every row in the window); lo, hi: per layer
-    [P, Hkv, D] their key bounds; budget_rows: the fast-tier rows the request may hold for its paged text, window and
+    (k, v) [P, page_size, Hkv, D]; 0: nothing paged, every row in the window); centre, half: per layer
+    [P, Hkv, D] (KV dtype) their key bounds as box centres and half-widths (`page_box`); budget_rows: the fast-tier rows the request may hold for its paged text, window and
     pages read (grows with the output at the request's ratio); pages_per_step: pages read per KV head;
     window_rows: the prompt rows not paged (what the budget pays for beside the bounds and the pages read;
     the output's rows are not charged, as with every method).
@@ -42,8 +42,8 @@ class SelectedPages:
     budget_rows: int
     pages_per_step: int
     window_rows: int
-    lo: dict[str, torch.Tensor] = field(default_factory=dict)
-    hi: dict[str, torch.Tensor] = field(default_factory=dict)
+    centre: dict[str, torch.Tensor] = field(default_factory=dict)
+    half: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int) -> int:
@@ -109,9 +109,9 @@ class PageSelectRunner(MethodRunner):
             else:  # a copy that holds exactly these rows, not a view of the prefill buffer
                 k_new, v_new = k_new.clone(), v_new.clone()
             self.pool.store(mem.req_id, name, (k_new, v_new), k_new.nbytes + v_new.nbytes)
-            lo, hi = page_bounds(k[:n], page)
-            st.lo[name] = torch.cat([st.lo[name], lo]) if name in st.lo else lo
-            st.hi[name] = torch.cat([st.hi[name], hi]) if name in st.hi else hi
+            centre, half = page_box(*page_bounds(k[:n], page))
+            st.centre[name] = torch.cat([st.centre[name], centre]) if name in st.centre else centre
+            st.half[name] = torch.cat([st.half[name], half]) if name in st.half else half
         st.paged += n
         return True
 
@@ -145,7 +145,8 @@ class PageSelectRunner(MethodRunner):
             k, v = mem.rows[layer_name].view()
             if st.paged:
                 k_pages, v_pages = self.pool.load(mem.req_id, layer_name)
-                chosen = top_pages(page_scores(q[i], st.lo[layer_name], st.hi[layer_name], scale), st.pages_per_step)
+                scores = box_scores(q[i], st.centre[layer_name], st.half[layer_name], scale)
+                chosen = top_pages(scores, st.pages_per_step)
                 k, v = torch.cat([gather_pages(k_pages, chosen), k]), torch.cat([gather_pages(v_pages, chosen), v])
             out[i] = exact_attention(q[i], k, v, scale)
             mem.decode_calls += 1

@@ -43,7 +43,8 @@ class SeKVRuntime:
                  model_name: str = "") -> None:
         self.config = config
         self.layer_names = layer_names
-        self.pool: HostPool[LayerSpanMemory] = HostPool(config.host_pool_bytes)
+        # SeKV's span memories, quest's host pages ((k, v) per layer)
+        self.pool: HostPool[LayerSpanMemory | tuple[torch.Tensor, torch.Tensor]] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
         # Every method by name: SeKV's runner (its policy, kernel, spans) and one per other method.
         self.sekv = SpanRunner(config, layer_names, self.pool, shape, model_name)
