@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sekv_vllm.methods import METHOD_NAMES, METHODS, SEKV, MethodSettings
+from sekv_vllm.methods import METHOD_NAMES, METHODS, ROW_METHODS, SEKV, MethodSettings
 
 ADDITIONAL_CONFIG_KEY = "sekv"
 REQUEST_KEY_PREFIX = "sekv_"
@@ -176,6 +176,15 @@ class RequestOverrides(BaseModel):
                                                       "unless it is the deployment's)")
     sekv_budget_ratio: float | None = Field(None, gt=0.0, le=1.0)
     sekv_token_budget: int | None = Field(None, ge=1)
+    sekv_kv_bits: Literal[2, 4, 8, 16] | None = Field(None, description="bits of this request's kept rows "
+                                                      "(a method that quantizes them, named by sekv_method)")
+
+    @model_validator(mode="after")
+    def _kv_bits_with_its_method(self) -> "RequestOverrides":
+        if self.sekv_kv_bits is not None and self.sekv_method not in ROW_METHODS:
+            raise ValueError(f"sekv_kv_bits needs sekv_method naming a method whose kept rows may be quantized: "
+                             f"one of {sorted(ROW_METHODS)} (got sekv_method={self.sekv_method!r})")
+        return self
 
     @classmethod
     def from_extra_args(cls, extra_args: dict[str, Any] | None) -> "RequestOverrides":

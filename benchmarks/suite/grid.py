@@ -2,7 +2,8 @@
 
 Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM with its
 default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`),
-`sekv:METHOD` (another in-engine method, e.g. `sekv:snapkv`: sekv_vllm.methods.METHODS), and
+`sekv:METHOD` (another in-engine method, e.g. `sekv:snapkv`: sekv_vllm.methods.METHODS; `sekv:METHOD@kvB`
+with its kept rows quantized to B bits, a row-keeping method: `sekv:snapkv@kv4`), and
 `kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
 of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
 budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from benchmarks.peers.presses import PRESSES
 from sekv_vllm.config import COMMON_SETTINGS, SeKVConfig
 from sekv_vllm.core.span_keys import QUANT_BITS
-from sekv_vllm.methods import METHODS
+from sekv_vllm.methods import METHODS, ROW_METHODS
 from sekv_vllm.policies import POLICIES
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
@@ -32,6 +33,8 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # "sekv:span_score@c0": a sekv backend with another number of score centroids per span;
 # "sekv:router@c32b2": and those centroids at 2 bits per element (score_bits).
 CENTROIDS = "@c"
+# "sekv:snapkv@kv4": an in-engine row-keeping method with its kept rows at 4 bits (kv_bits).
+KV_BITS = "@kv"
 _SCORING = re.compile(r"(\d+)(?:b(\d+))?")
 
 
@@ -41,6 +44,12 @@ def _scoring(backend: str) -> tuple[int, int | None] | None:
     name, sep, spec = backend.partition(CENTROIDS)
     match = _SCORING.fullmatch(spec) if sep else None
     return (int(match[1]), int(match[2]) if match[2] else None) if match else None
+
+
+def _kv_bits(backend: str) -> int | None:
+    """B of a row-keeping method's '@kvB' suffix; None when it has none or it is malformed."""
+    name, sep, spec = backend.partition(KV_BITS)
+    return int(spec) if sep and name[5:] in ROW_METHODS and spec in ("2", "4", "8") else None
 
 
 def _centroids_ok(backend: str) -> bool:
@@ -78,12 +87,14 @@ class Grid(BaseModel):
     def _known_backends(cls, backends: tuple[str, ...]) -> tuple[str, ...]:
         allowed = (["vllm", "sekv"] + [f"sekv:{p}" for p in POLICIES] + [f"kvpress:{p}" for p in PRESSES]
                    + [f"sekv:{m}" for m in METHODS])
-        unknown = [b for b in backends if b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)
-                   or (CENTROIDS in b and b.split(CENTROIDS)[0][5:] in METHODS)]
+        unknown = [b for b in backends if (b.split(CENTROIDS)[0] not in allowed or not _centroids_ok(b)
+                                           or (CENTROIDS in b and b.split(CENTROIDS)[0][5:] in METHODS))
+                   and _kv_bits(b) is None]
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
                              f"'{CENTROIDS}N' (score centroids per span, N in 0..32) or '{CENTROIDS}NbB' (and "
-                             f"their bits per element, B in {[*QUANT_BITS, 16]})")
+                             f"their bits per element, B in {[*QUANT_BITS, 16]}), a row-keeping method's with "
+                             f"'{KV_BITS}B' (its kept rows at B bits, B in [2, 4, 8])")
         return backends
 
     @field_validator("sekv_config")
@@ -123,10 +134,12 @@ class Grid(BaseModel):
         """The SeKVConfig fields a sekv backend runs with; None for the other backends."""
         if not backend.startswith("sekv"):
             return None
-        name = backend.partition(CENTROIDS)[0]
+        name = backend.partition(CENTROIDS)[0].partition(KV_BITS)[0]
         if name[5:] in METHODS:  # an in-engine method beside SeKV: its own settings and those every method reads
             own = COMMON_SETTINGS | set(METHODS[name[5:]].model_fields)
-            return {**{k: v for k, v in self.sekv_config.items() if k in own}, "method": name[5:]}
+            bits = _kv_bits(backend)
+            return {**{k: v for k, v in self.sekv_config.items() if k in own}, "method": name[5:],
+                    **({"kv_bits": bits} if bits else {})}
         out = {k: v for k, v in self.sekv_config.items() if k in SeKVConfig.model_fields}
         if name.startswith("sekv:"):
             out["zoom_policy"] = name.split(":", 1)[1]
@@ -183,6 +196,12 @@ PROFILES: dict[str, dict] = {
     "methods-engine": {"backends": ("vllm", "sekv", *(f"sekv:{m}" for m in METHODS), "kvpress:snapkv"),
                        "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000,), "samples": 3,
                        "budgets": (0.25, 0.125)},
+    # KV quantization composed with SnapKV's choice of rows, against the same choice at 16 bits, quest and SeKV at
+    # the same budgets (a budget is bytes: quantized rows buy more rows).
+    "kv-quant": {"backends": ("vllm", "sekv", "sekv:snapkv", "sekv:snapkv@kv8", "sekv:snapkv@kv4", "sekv:snapkv@kv2",
+                              "sekv:quest"),
+                 "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000,), "samples": 3,
+                 "budgets": (0.25, 0.125)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),
              "lengths": (1000, 2000, 4000, 8000), "samples": 10, "budgets": (0.5, 0.25, 0.125, 0.0625)},
 }

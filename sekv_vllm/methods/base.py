@@ -5,9 +5,9 @@ Every method but SeKV is a `MethodSettings` subclass: its pydantic fields are it
 naming the field. The runtime runs it through the runner of its kind (`runtime/method_runner.py`).
 
 A row-keeping method looks at a request's prompt once it is prefilled and keeps, per layer and
-per KV head, some of its rows at full resolution; the rest are evicted. Decode attends over what
-was kept plus every row generated since (`core.kept_rows_attention`). The budget is the number of
-prompt rows kept per KV head: a share of the prompt's full-KV bytes, all of it in the fast tier.
+per KV head, some of its rows; the rest are evicted. Decode attends over what was kept plus every row
+generated since. The budget is a share of the prompt's full-KV bytes, all of it in the fast tier: as many
+rows per KV head as it holds, at the KV cache dtype or quantized (`kv_quantization.py`).
 
 Adding one: a file in this folder with a subclass, and its line in `METHODS` (`__init__.py`).
 """
@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from sekv_vllm.methods.kv_quantization import KVQuantSettings
 
 @dataclass(frozen=True)
 class PromptRows:
@@ -47,8 +48,9 @@ class MethodSettings(BaseModel):
         return 0
 
 
-class RowKeepingMethod(MethodSettings, ABC):
-    """A method that keeps, per KV head, a choice of the prompt's rows (`keep`)."""
+class RowKeepingMethod(MethodSettings, KVQuantSettings, ABC):
+    """A method that keeps, per KV head, a choice of the prompt's rows (`keep`), at the KV cache dtype or
+    quantized (`kv_bits`: more rows for the same bytes)."""
 
     @abstractmethod
     def keep(self, rows: PromptRows, n_keep: int) -> torch.Tensor:

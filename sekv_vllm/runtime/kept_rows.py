@@ -1,69 +1,80 @@
 """A row-keeping method's requests in the runtime (`KeptRowsRunner`): the prompt's kept rows, then decode
 over them.
 
-The kept rows of every layer go into `PagedRows` as a SeKV request's full-resolution rows do, so
-they move into vLLM's pages, grow with the output and survive preemption the same way; the
-output stays at full resolution (no eviction during decode yet).
+The kept rows of every layer go into pages as a SeKV request's full-resolution rows do (`PagedRows`, or
+`QuantizedRows` at `kv_bits` < 16), so they move into vLLM's pages, grow with the output and survive
+preemption the same way; the output is kept whole (no eviction during decode yet), quantized as it is
+written when the rows are.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
 from sekv_vllm.runtime.method_runner import MethodRunner
-from sekv_vllm.runtime.paged_rows import PagedRows
-from sekv_vllm.runtime.request_state import RequestMemory, Status, row_bytes
+from sekv_vllm.runtime.paged_rows import PagedRows, RowPages
+from sekv_vllm.runtime.quantized_rows import QuantizedRows
+from sekv_vllm.runtime.request_state import RequestMemory, Status
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
 logger = logging.getLogger("sekv_vllm")
 
 
 def keep_prompt_rows(method: RowKeepingMethod, captured: dict[str, RowBuffer], queries: dict[str, torch.Tensor],
-                     prompt_len: int, n_keep: int, block: int, spare: int) -> dict[str, PagedRows]:
+                     prompt_len: int, n_keep: int, store: Callable[..., RowPages]) -> dict[str, RowPages]:
     """Per layer, the rows `method` keeps of the prompt's captured rows (k, v [>= T, Hkv, D]; rows past
-    the prompt, a resumed request's earlier output, are all kept after them), in pages of `block` rows
-    with room for `spare` more. queries: per layer [W, H, D], the prompt's last W queries."""
+    the prompt, a resumed request's earlier output, are all kept after them), stored by `store(k, v)`.
+    queries: per layer [W, H, D], the prompt's last W queries."""
     kept = {}
     for name, buf in captured.items():
         k, v = buf.view()
         no_queries = k.new_zeros(0, 1, k.shape[2])  # the method reads none
         prompt = PromptRows(k[:prompt_len], v[:prompt_len], queries.get(name, no_queries))
         k_kept, v_kept = gather_kept(prompt.k, prompt.v, method.keep(prompt, n_keep))
-        k_kept, v_kept = torch.cat([k_kept, k[prompt_len:]]), torch.cat([v_kept, v[prompt_len:]])
-        kept[name] = PagedRows.of_rows(k_kept, v_kept, block, spare=spare)
+        kept[name] = store(torch.cat([k_kept, k[prompt_len:]]), torch.cat([v_kept, v[prompt_len:]]))
     return kept
 
 
 def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, block: int, spare: int) -> None:
     """A prefilled request compressed by a row-keeping method: the prompt rows it keeps per KV head (the
-    rest evicted) in pages of `block` rows with room for `spare` more, its figures."""
-    n_keep = min(mem.budget, mem.prompt_len)
-    mem.rows = keep_prompt_rows(method, mem.captured, mem.queries, mem.prompt_len, n_keep, block, spare)
+    rest evicted) in pages of `block` rows with room for `spare` more, its figures. Quantized rows
+    (`kv_bits` < 16) cost fewer bytes each: the budget's bytes keep more of them."""
     first = next(iter(mem.captured.values()))
+    Hkv, D = first.k.shape[1:]
+    full_row = 2 * Hkv * D * first.k.element_size()
+    codec = method.kv_quantization(mem.kv_bits)
+    if codec is None:
+        row, store = full_row, lambda k, v: PagedRows.of_rows(k, v, block, spare=spare)
+    else:
+        row, store = codec.row_bytes(Hkv, D), lambda k, v: QuantizedRows.of_rows(k, v, codec, block, spare=spare)
+    n_keep = min(mem.budget * full_row // row, mem.prompt_len)
+    mem.rows = keep_prompt_rows(method, mem.captured, mem.queries, mem.prompt_len, n_keep, store)
     mem.next_position = first.length
     mem.captured, mem.queries = {}, {}
     mem.status = Status.COMPRESSED
-    row, L = row_bytes(next(iter(mem.rows.values()))), len(mem.rows)
+    L = len(mem.rows)
     mem.figures = {
         "req_id": mem.req_id,
         "method": mem.method,
+        "kv_bits": codec.bits if codec else 16,
         "prompt_tokens": mem.prompt_len,
         "budget_rows": mem.budget,
         "kept_prompt_rows": n_keep,
         "spans": 0,
-        "full_kv_bytes": mem.prompt_len * row * L,
+        "full_kv_bytes": mem.prompt_len * full_row * L,
         "fast_tier_bytes": n_keep * row * L,
         "host_pool_bytes": 0,
     }
     mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
-    logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head", mem.req_id,
-                mem.method, mem.prompt_len, n_keep)
+    logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head%s", mem.req_id,
+                mem.method, mem.prompt_len, n_keep, f" at {codec.bits} bits" if codec else "")
 
 
-def attend_kept(rows: list[PagedRows], q: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_kept(rows: list[RowPages], q: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D], one query per request, over that request's rows -> [B, H, D] float32."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for i, r in enumerate(rows):
@@ -90,6 +101,12 @@ class KeptRowsRunner(MethodRunner):
     def compress(self, mem: RequestMemory) -> str:
         if self.method.query_window and set(mem.queries) != set(self.layer_names):
             return "prompt queries were not captured in every layer"
+        codec = self.method.kv_quantization(mem.kv_bits)
+        if codec is not None:
+            try:
+                codec.check_head_size(next(iter(mem.captured.values())).k.shape[2])
+            except ValueError as err:  # a request's sekv_kv_bits on a model whose heads the groups do not divide
+                return str(err)
         compress_kept_rows(self.method, mem, self.block, self.spare)
         return ""
 

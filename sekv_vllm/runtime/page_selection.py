@@ -21,7 +21,7 @@ from sekv_vllm.methods.quest import Quest, box_scores, gather_pages, page_bounds
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows
-from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, row_bytes
+from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status
 
 logger = logging.getLogger("sekv_vllm")
 
@@ -116,7 +116,7 @@ class PageSelectRunner(MethodRunner):
         return True
 
     def _figures(self, mem: RequestMemory, st: SelectedPages) -> dict:
-        row, L = row_bytes(next(iter(mem.rows.values()))), len(self.layer_names)
+        row, L = next(iter(mem.rows.values())).row_bytes, len(self.layer_names)
         pages = st.paged // self.method.page_size
         # the fast tier: bounds (one row per page), the window and the pages read per step
         fast_rows = pages + st.window_rows + st.pages_per_step * self.method.page_size
@@ -183,7 +183,7 @@ class PageSelectRunner(MethodRunner):
         st.pages_per_step = pages_read(st.budget_rows, st.paged // m.page_size, st.window_rows, m.page_size)
         # the new pages' bounds and the rows read per step in more
         fast_rows = n // m.page_size + (st.pages_per_step - pages_before) * m.page_size
-        fast_bytes = fast_rows * row_bytes(mem.rows[self.layer_names[0]]) * len(self.layer_names)
+        fast_bytes = fast_rows * mem.rows[self.layer_names[0]].row_bytes * len(self.layer_names)
         mem.output_fast_tier_bytes += fast_bytes
         logger.info("sekv: %s: output rows %d-%d -> %d host pages; %d pages read per step", mem.req_id, start,
                     start + n, n // m.page_size, st.pages_per_step)

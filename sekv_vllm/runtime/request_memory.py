@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from sekv_vllm.config import RequestOverrides, SeKVConfig
+from sekv_vllm.config import RequestOverrides, SeKVConfig, SeKVConfigError
 from sekv_vllm.core import LayerSpanMemory
 from sekv_vllm.methods import METHODS, SEKV, MethodSettings, RowKeepingMethod
 from sekv_vllm.pool import HostPool
@@ -49,14 +49,21 @@ class SeKVRuntime:
         # Every method by name: SeKV's runner (its policy, kernel, spans) and one per other method.
         self.sekv = SpanRunner(config, layer_names, self.pool, shape, model_name)
         self.methods: dict[str, MethodRunner] = {
-            SEKV: self.sekv, **{name: self._runner(config.method_of(name)) for name in METHODS}}
+            SEKV: self.sekv, **{name: self._runner(config.method_of(name), shape) for name in METHODS}}
         # Figures of the last requests that ended, for benchmarks and tests in this process.
         self.completed_figures: deque[dict] = deque(maxlen=4096)
 
-    def _runner(self, method: MethodSettings) -> MethodRunner:
-        """The runner of a method's kind: a choice of rows, or pages selected per step."""
+    def _runner(self, method: MethodSettings, shape: ModelShape | None) -> MethodRunner:
+        """The runner of a method's kind: a choice of rows, or pages selected per step; a method's quantization
+        that does not fit the model's head size (`shape`) is refused."""
         spare = self.config.window_growth + 1
         if isinstance(method, RowKeepingMethod):
+            codec = method.kv_quantization()
+            if codec is not None and shape is not None:
+                try:
+                    codec.check_head_size(shape.head_dim)
+                except ValueError as err:
+                    raise SeKVConfigError(f"invalid sekv config: sekv.{err}") from None
             return KeptRowsRunner(method, self.layer_names, OWN_BLOCK, spare=spare)
         return PageSelectRunner(method, self.layer_names, self.pool, OWN_BLOCK, spare=spare,
                                 growth=self.config.window_growth)
@@ -78,7 +85,7 @@ class SeKVRuntime:
             budget, reason = prompt_len, f"bad per-request settings: {err}"
             logger.warning("sekv: request %s keeps full KV: %s", req_id, reason)
         mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason,
-                            method=method)
+                            method=method, kv_bits=overrides.sekv_kv_bits if not reason else None)
         if not reason and self.methods[method].needs_surprisal:
             mem.surprisal = torch.zeros(prompt_len, dtype=torch.float32)
         self.requests[req_id] = mem

@@ -8,7 +8,7 @@ import torch
 
 from sekv_vllm.core import SpanLayout
 from sekv_vllm.methods import SEKV
-from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.paged_rows import RowPages
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
 
@@ -26,6 +26,7 @@ class RequestMemory:
     status: Status
     reason: str = ""
     method: str = SEKV  # `sekv` (spans) or a row-keeping method's name
+    kv_bits: int | None = None  # the request's `sekv_kv_bits` (None: its method's setting)
     surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
     layout: SpanLayout | None = None
     zoom_budget: int = 0
@@ -39,7 +40,7 @@ class RequestMemory:
     # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
     # rows and the output not spanified, in position order), per layer; in the engine's pages once
     # it hands them over (`place_rows`), else in pages of their own.
-    rows: dict[str, PagedRows] = field(default_factory=dict)
+    rows: dict[str, RowPages] = field(default_factory=dict)
     # Per layer, the policy's span-side score features (`ZoomPolicy.key_features`), if it has any.
     key_features: dict[str, torch.Tensor] = field(default_factory=dict)
     # COMPRESSED: the position of the next row the runtime will keep (prompt and the output
@@ -84,12 +85,6 @@ def reserve_surprisal(mem: RequestMemory, n: int) -> None:
         grown = torch.zeros(max(n, 2 * mem.surprisal.numel()), dtype=torch.float32)
         grown[: mem.surprisal.numel()] = mem.surprisal
         mem.surprisal = grown
-
-
-def row_bytes(rows: PagedRows) -> int:
-    """Bytes of one row (K and V of every KV head) of one layer."""
-    Hkv, D = rows.row_shape
-    return 2 * Hkv * D * rows.pages.element_size()
 
 
 def running_figures(mem: RequestMemory, num_layers: int, host_pool_bytes_now: int) -> dict:

@@ -6,7 +6,6 @@ import logging
 
 import torch
 
-from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory
 
 logger = logging.getLogger("sekv_vllm")
@@ -55,4 +54,4 @@ def rows_to_own_pages(mem: RequestMemory, spare: int) -> None:
     """Copy the rows out of the engine's pages into pages of the request's own (room for `spare` more)."""
     for name, rows in mem.rows.items():
         if not rows.own:
-            mem.rows[name] = PagedRows.of_rows(*rows.view(), OWN_BLOCK, spare=spare)
+            mem.rows[name] = rows.to_own(OWN_BLOCK, spare)

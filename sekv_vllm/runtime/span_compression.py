@@ -19,7 +19,7 @@ from sekv_vllm.methods import SEKV
 from sekv_vllm.policies import ZoomPolicy
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.paged_rows import PagedRows
-from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal, row_bytes
+from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal
 
 logger = logging.getLogger("sekv_vllm")
 
@@ -108,7 +108,7 @@ class SpanCompression:
 
     def _prompt_figures(self, mem: RequestMemory, layout: SpanLayout, memories: dict[str, LayerSpanMemory],
                         features_bytes: int) -> dict:
-        L, row = len(self.layer_names), row_bytes(mem.rows[self.layer_names[0]])
+        L, row = len(self.layer_names), mem.rows[self.layer_names[0]].row_bytes
         figures = {
             "req_id": mem.req_id,
             "method": SEKV,
@@ -183,7 +183,7 @@ class SpanCompression:
         mem.output_spans += layout.num_spans
         mem.output_span_tokens += layout.span_tokens
         mem.output_fixed_tokens += num_fixed
-        fast_bytes += (num_fixed + zoom_rows) * row_bytes(mem.rows[self.layer_names[0]]) * len(self.layer_names)
+        fast_bytes += (num_fixed + zoom_rows) * mem.rows[self.layer_names[0]].row_bytes * len(self.layer_names)
         mem.output_fast_tier_bytes += fast_bytes
         logger.info("sekv: %s: window rows %d-%d -> %d spans (%d tokens), %d anchor/short; host pool %d bytes",
                     mem.req_id, start, stop, layout.num_spans, layout.span_tokens, num_fixed,

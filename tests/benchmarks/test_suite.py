@@ -1,5 +1,6 @@
 """The suite runner: grid validation, resume, and the `ci` profile end to end."""
 import json
+import re
 import subprocess
 import sys
 
@@ -45,10 +46,15 @@ def test_sekv_backend_settings():
         make_grid(sekv_config={"observation_windw": 16})
     with pytest.raises(GridError, match=r"unknown backend\(s\) \['sekv:snapkv@c4'\]"):
         make_grid(backends=["sekv:snapkv@c4"])
+    # a row-keeping method with its kept rows quantized
+    assert make_grid(backends=["sekv:snapkv@kv4"]).sekv_settings("sekv:snapkv@kv4") == {"method": "snapkv", "kv_bits": 4}
+    for bad in ("sekv:snapkv@kv3", "sekv:quest@kv4", "sekv@kv8", "vllm@kv8"):
+        with pytest.raises(GridError, match=re.escape(f"unknown backend(s) ['{bad}']")):
+            make_grid(backends=[bad])
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'methods-engine', 'oracle', 'quick', 'router', 'zoom'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'kv-quant', 'methods-engine', 'oracle', 'quick', 'router', 'zoom'\]"):
         make_grid("fast")
 
 

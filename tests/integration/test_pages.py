@@ -121,12 +121,15 @@ def test_spanified_output_returns_its_pages_too(model_dir, essay_ids, tmp_path):
 def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir, essay_ids, tmp_path):
     # Every registered method but SeKV (the deployment's for the first, `sekv_method` for the others, in one
     # engine) through prefill, compression, decode, pages handed back (as many held as its figures say),
-    # preemption under a tiny pool (same outputs as with room); one more request aborted.
+    # preemption under a tiny pool (same outputs as with room); one more request aborted. StreamingLLM's
+    # rows are quantized (4 bits): rows packed across the pages' bytes go through the same path.
     methods = sorted(METHODS)
     n = len(methods) + 1
     chosen = [methods[i % len(methods)] for i in range(n)]
+    bits = {"streaming_llm": {"sekv_kv_bits": 4}}
     spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256},
-            "prompts": essay_ids(700, n), "extra_args": [{"sekv_method": m} for m in chosen], "max_tokens": 300,
+            "prompts": essay_ids(700, n), "extra_args": [{"sekv_method": m, **bits.get(m, {})} for m in chosen],
+            "max_tokens": 300,
             "max_model_len": 1010, "abort": {"after_step": 3, "indices": [n - 1]}}
     # 10 pages of 128 tokens: three compressed requests run at once, their outputs outgrow the pool
     tiny, roomy = pages({**spec, "num_blocks": 11}, tmp_path), pages(spec, tmp_path)
@@ -143,6 +146,8 @@ def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir,
         held = [t["held"][fig["req_id"]] for t in roomy["trace"] if fig["req_id"] in t["held"]]
         kept_pages = math.ceil(fig["fast_tier_bytes"] / block_bytes) + math.ceil(n / bs) - n // bs
         assert fig["method"] == chosen[int(rid[1:])] and fig["fast_tier_fraction"] == pytest.approx(0.125, abs=0.01)
+        if fig["method"] == "streaming_llm":  # 4-bit rows: the same bytes keep more than 3x the rows
+            assert fig["kv_bits"] == 4 and fig["kept_prompt_rows"] > 3 * math.ceil(0.125 * n)
         assert fig["vllm_pages_held_bytes"] == kept_pages * block_bytes and min(held) == kept_pages
         assert max(held) >= math.ceil(n / bs)
     checks = [ok for t in roomy["trace"] for ok in t["rows_in_pages"].values()]
