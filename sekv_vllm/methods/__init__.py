@@ -6,6 +6,7 @@ and its line below.
 from __future__ import annotations
 
 from sekv_vllm.methods.base import MethodSettings, PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.methods.h2o import H2O
 from sekv_vllm.methods.quest import Quest
 from sekv_vllm.methods.snapkv import SnapKV
 from sekv_vllm.methods.streaming_llm import StreamingLLM
@@ -16,10 +17,11 @@ METHODS: dict[str, type[MethodSettings]] = {
     StreamingLLM.name: StreamingLLM,
     SnapKV.name: SnapKV,
     TOVA.name: TOVA,
+    H2O.name: H2O,
     Quest.name: Quest,
 }
 ROW_METHODS: dict[str, type[RowKeepingMethod]] = {n: m for n, m in METHODS.items() if issubclass(m, RowKeepingMethod)}
 METHOD_NAMES: tuple[str, ...] = (SEKV, *METHODS)
 
-__all__ = ["METHODS", "METHOD_NAMES", "ROW_METHODS", "SEKV", "MethodSettings", "PromptRows", "Quest",
+__all__ = ["H2O", "METHODS", "METHOD_NAMES", "ROW_METHODS", "SEKV", "MethodSettings", "PromptRows", "Quest",
            "RowKeepingMethod", "SnapKV", "StreamingLLM", "TOVA", "gather_kept"]

@@ -58,6 +58,19 @@ class KVQuantization:
         """Bytes of one row (K and V of every KV head)."""
         return 2 * self.tensor_bytes(Hkv, D)
 
+    def head_bytes(self, Hkv: int, D: int, device: torch.device) -> torch.Tensor:
+        """[Hkv, m] int64: the offsets in a row of every byte of each KV head (its K and V codes, scales and
+        minima)."""
+        codes, scales = D * self.bits // 8, (D // self.group) * _SCALE_DTYPE.itemsize
+        heads = torch.arange(Hkv, device=device)[:, None]
+        parts = []
+        for base in (0, self.tensor_bytes(Hkv, D)):  # K, then V
+            parts.append(base + heads * codes + torch.arange(codes, device=device))
+            for i in range(2):  # scales, then minima
+                start = base + Hkv * codes + i * Hkv * scales
+                parts.append(start + heads * scales + torch.arange(scales, device=device))
+        return torch.cat(parts, dim=1)
+
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, Hkv, D] -> bytes [n, tensor_bytes]."""
         n, Hkv, D = x.shape

@@ -3,8 +3,9 @@
 The last prompt token's query attends (softmax over every prompt row) with each query head; its
 attention, averaged over all query heads, scores every earlier row once for all KV heads (one
 choice of rows per layer, as TOVA's and kvpress's TOVAPress). Kept: the last row and the
-top-scoring rows. TOVA proper also evicts during decoding; here, as in kvpress, the prompt is
-compressed once.
+top-scoring rows. While decoding (`evict_while_decoding`, TOVA's own policy) each step's query scores
+the kept rows the same way and the lowest-scoring row goes, so the kept rows stay at their count;
+kvpress compresses the prompt once (`evict_while_decoding: false`).
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import ClassVar
 
 import torch
 
-from sekv_vllm.methods.base import PromptRows, RowKeepingMethod
+from sekv_vllm.methods.base import DecodeEviction, PromptRows, RowKeepingMethod
 
 
-class TOVA(RowKeepingMethod):
+class TOVA(DecodeEviction, RowKeepingMethod):
     name: ClassVar[str] = "tova"
 
     @property
@@ -36,3 +37,9 @@ class TOVA(RowKeepingMethod):
         last = torch.tensor([T - 1], device=rows.k.device)
         top = self.scores(rows).topk(n_keep - 1).indices
         return torch.cat([top, last]).sort().values.expand(Hkv, -1)
+
+    def decode_scores(self, attn: torch.Tensor, acc: torch.Tensor, positions: torch.Tensor,
+                      n_keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.evict_while_decoding:
+            return None
+        return acc, attn.mean(dim=0).expand(acc.shape[0], -1)  # one choice for every KV head

@@ -27,6 +27,11 @@ class MethodRunner(ABC):
         return 0
 
     @property
+    def accumulates_prompt_attention(self) -> bool:
+        """Whether prefill sums the attention every prompt row receives (`RequestMemory.prompt_attention`)."""
+        return False
+
+    @property
     def writes_new_rows(self) -> bool:
         """Whether `attend` writes the newest rows into the request's rows itself (room is made for them);
         else the runtime appends them before `attend`."""

@@ -84,6 +84,16 @@ class RowPages(ABC):
         """Copies of the valid rows: k, v [length, Hkv, D]."""
         return self._decode(self._get(0, self.length))
 
+    def evict_into(self, dst: torch.Tensor) -> None:
+        """Evict row dst[h] of each KV head h (dst: [Hkv] int64): the last row of that head moves there, and
+        the last row goes."""
+        self._move_heads(self.length - 1, dst.to(torch.int64))
+        self.length -= 1
+
+    @abstractmethod
+    def _move_heads(self, src: int, dst: torch.Tensor) -> None:
+        """Row src of each KV head h copied into row dst[h] of that head."""
+
     def _copy_into(self, other: "RowPages") -> "RowPages":
         other._put(0, self._get(0, self.length))  # as stored: nothing quantized twice
         other.length = self.length
@@ -166,6 +176,11 @@ class PagedRows(RowPages):
     def _get(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         page, slot = self._slots(start, n)
         return self.pages[page, 0, slot], self.pages[page, 1, slot]
+
+    def _move_heads(self, src: int, dst: torch.Tensor) -> None:
+        heads = torch.arange(dst.numel(), device=dst.device)
+        page, slot = self._slots(src, 1)
+        self.pages[self.table[dst // self.block], :, dst % self.block, heads] = self.pages[page, :, slot, heads]
 
     def _in(self, pages: torch.Tensor, table: torch.Tensor | None) -> "PagedRows":
         if table is None:

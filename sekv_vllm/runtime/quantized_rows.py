@@ -73,6 +73,12 @@ class QuantizedRows(RowPages):
         page, offset = self._bytes_at(start, n)
         return self.pages[page, offset].view(n, self.row_bytes)
 
+    def _move_heads(self, src: int, dst: torch.Tensor) -> None:
+        cells = self.codec.head_bytes(*self.row_shape, device=self.pages.device)  # [Hkv, bytes of one head]
+        flat = dst.to(self.pages.device)[:, None] * self.row_bytes + cells
+        self.pages[self.table.to(self.pages.device)[flat // self.page_bytes], flat % self.page_bytes] = \
+            self._get(src, 1)[0][cells]
+
     def _in(self, pages: torch.Tensor, table: torch.Tensor | None) -> "QuantizedRows":
         if table is None:
             return QuantizedRows(pages, torch.arange(pages.shape[0]), 0, True, self.codec, self.row_shape, self.dtype)

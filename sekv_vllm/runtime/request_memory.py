@@ -17,6 +17,7 @@ import torch
 from sekv_vllm.config import RequestOverrides, SeKVConfig, SeKVConfigError
 from sekv_vllm.core import LayerSpanMemory
 from sekv_vllm.methods import METHODS, SEKV, MethodSettings, RowKeepingMethod
+from sekv_vllm.methods.h2o import accumulate_attention
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.kept_rows import KeptRowsRunner
@@ -123,20 +124,33 @@ class SeKVRuntime:
     def capture(self, req_id: str, layer_name: str, start: int, k: torch.Tensor, v: torch.Tensor,
                 q: torch.Tensor | None = None) -> None:
         """Rows computed this step: k, v [n, Hkv, D] (post-RoPE) at positions [start, start + n); q [n, H, D]
-        their queries, kept where the request's method reads them (the prompt's last query_window)."""
+        their queries, kept where the request's method reads them (the prompt's last query_window), or the
+        attention they pay every row before them summed where it keeps that (H2O)."""
         mem = self.requests[req_id]
         if mem.status is Status.PREFILLING:
             buf = mem.captured.get(layer_name)
             if buf is None:
                 buf = mem.captured[layer_name] = RowBuffer(mem.prompt_len, k.shape[1], k.shape[2], k.dtype)
             buf.write(start, k, v)
-            window = self.methods[mem.method].query_window
-            if window and q is not None:
-                self._capture_queries(mem, layer_name, start, q, window)
+            runner = self.methods[mem.method]
+            if runner.query_window and q is not None:
+                self._capture_queries(mem, layer_name, start, q, runner.query_window)
+            if runner.accumulates_prompt_attention and q is not None:
+                self._sum_attention(mem, layer_name, start, q, buf)
         else:  # decode rows join the window
             self._make_room(mem, layer_name, k.shape[0])
             mem.rows[layer_name].append(k, v)
             self._advance([mem], layer_name, k.shape[0])
+
+    @staticmethod
+    def _sum_attention(mem: RequestMemory, layer_name: str, start: int, q: torch.Tensor, buf: RowBuffer) -> None:
+        """Add the attention of the prompt's queries among q [n, H, D] at [start, start + n) to every row."""
+        acc = mem.prompt_attention.get(layer_name)
+        if acc is None:
+            acc = mem.prompt_attention[layer_name] = torch.zeros(buf.k.shape[1], mem.prompt_len, device=q.device)
+        n = min(q.shape[0], mem.prompt_len - start)
+        if n > 0:
+            accumulate_attention(acc, q[:n], buf.view()[0][: start + n], start)
 
     @staticmethod
     def _capture_queries(mem: RequestMemory, layer_name: str, start: int, q: torch.Tensor, window: int) -> None:
@@ -193,6 +207,7 @@ class SeKVRuntime:
 
     def _keep_full(self, mem: RequestMemory, reason: str) -> RequestMemory:
         mem.status, mem.reason, mem.rows, mem.captured = Status.FULL_KV, reason, {}, {}
+        mem.queries, mem.prompt_attention = {}, {}
         logger.info("sekv: request %s keeps full KV: %s", mem.req_id, reason)
         return mem
 

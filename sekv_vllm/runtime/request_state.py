@@ -37,6 +37,8 @@ class RequestMemory:
     captured: dict[str, RowBuffer] = field(default_factory=dict)
     # PREFILLING, for a method that reads them: the prompt's last queries [W, H, D] by layer.
     queries: dict[str, torch.Tensor] = field(default_factory=dict)
+    # PREFILLING, for a method that reads it: per layer [Hkv, T] the attention each prompt row received so far.
+    prompt_attention: dict[str, torch.Tensor] = field(default_factory=dict)
     # COMPRESSED: full-resolution rows only (anchors and short runs, then the window: the last prompt
     # rows and the output not spanified, in position order), per layer; in the engine's pages once
     # it hands them over (`place_rows`), else in pages of their own.

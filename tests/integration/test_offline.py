@@ -57,14 +57,14 @@ def test_every_method_at_full_budget_equals_stock_vllm_token_for_token(model_dir
     chosen = [{**r, "extra_args": {"sekv_method": m}} for m in methods for r in requests]
     run = run_job({"model": model_dir, "requests": chosen,
                    "additional_config": {"sekv": {"method": methods[0], "budget_ratio": 1.0, "min_prompt_tokens": 256}},
-                   "bad_requests": [{"prompt": "hi", "extra_args": {"sekv_method": "h2o"}}]}, tmp_path)
+                   "bad_requests": [{"prompt": "hi", "extra_args": {"sekv_method": "pyramidkv"}}]}, tmp_path)
     for i, out in enumerate(run["outputs"]):
         ref = stock["outputs"][i % len(requests)]
         assert out["token_ids"] == ref["token_ids"], f"{chosen[i]['extra_args']} prompt {i}: {ref['text']!r} vs {out['text']!r}"
     figures = run["figures"]
     assert [f and f["method"] for f in figures] == [m if i else None for m in methods for i in range(len(requests))]  # the first is short
     assert all(f["fast_tier_fraction"] == 1.0 and f["decode_steps"] > 0 for f in figures if f)
-    assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm', 'snapkv', 'tova' or 'quest'" in run["errors"][0]
+    assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm', 'snapkv', 'tova', 'h2o' or 'quest'" in run["errors"][0]
 
 
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):

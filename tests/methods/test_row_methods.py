@@ -148,8 +148,8 @@ def test_settings_of_another_method_are_refused_naming_the_field():
         SeKVConfig.from_additional_config({"sekv": {"sink_tokens": 2}})
     with pytest.raises(SeKVConfigError, match=r"sekv\.pooling_kernel: .*must be odd"):
         SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "pooling_kernel": 4}})
-    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm', 'snapkv', 'tova' or 'quest'"):
-        SeKVConfig.from_additional_config({"sekv": {"method": "h2o"}})
+    with pytest.raises(SeKVConfigError, match=r"sekv\.method: Input should be 'sekv', 'streaming_llm', 'snapkv', 'tova', 'h2o' or 'quest'"):
+        SeKVConfig.from_additional_config({"sekv": {"method": "pyramidkv"}})
     config = SeKVConfig.from_additional_config({"sekv": {"method": "snapkv", "observation_window": 32}})
     assert SeKVConfig.from_additional_config({"sekv": config.normalised()}).method_of("snapkv") == SnapKV(observation_window=32)
     assert config.method_of("streaming_llm") == StreamingLLM()  # another method: its defaults
