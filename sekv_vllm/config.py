@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sekv_vllm.methods import METHOD_NAMES, METHODS, ROW_METHODS, SEKV, MethodSettings
+from sekv_vllm.methods import METHOD_NAMES, METHODS, QUANTIZING_METHODS, SEKV, MethodSettings
 
 ADDITIONAL_CONFIG_KEY = "sekv"
 REQUEST_KEY_PREFIX = "sekv_"
@@ -181,9 +181,9 @@ class RequestOverrides(BaseModel):
 
     @model_validator(mode="after")
     def _kv_bits_with_its_method(self) -> "RequestOverrides":
-        if self.sekv_kv_bits is not None and self.sekv_method not in ROW_METHODS:
+        if self.sekv_kv_bits is not None and self.sekv_method not in QUANTIZING_METHODS:
             raise ValueError(f"sekv_kv_bits needs sekv_method naming a method whose kept rows may be quantized: "
-                             f"one of {sorted(ROW_METHODS)} (got sekv_method={self.sekv_method!r})")
+                             f"one of {sorted(QUANTIZING_METHODS)} (got sekv_method={self.sekv_method!r})")
         return self
 
     @classmethod

@@ -3,7 +3,7 @@
 Backends: `vllm` (stock vLLM, full KV: the reference), `sekv` (this plugin in vLLM with its
 default zoom policy), `sekv:POLICY` (with zoom policy POLICY, e.g. `sekv:span_score`),
 `sekv:METHOD` (another in-engine method, e.g. `sekv:snapkv`: sekv_vllm.methods.METHODS; `sekv:METHOD@kvB`
-with its kept rows quantized to B bits, a row-keeping method: `sekv:snapkv@kv4`), and
+with its kept rows quantized to B bits, a method that quantizes: `sekv:snapkv@kv4`), and
 `kvpress:PRESS` (NVIDIA kvpress on HF transformers, in its own virtual environment; PRESS one
 of benchmarks.peers.kvpress_run.PRESSES). Budgets are the kept share of the prompt's KV: sekv's
 budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.generate`) or
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from benchmarks.peers.presses import PRESSES
 from sekv_vllm.config import COMMON_SETTINGS, SeKVConfig
 from sekv_vllm.core.span_keys import QUANT_BITS
-from sekv_vllm.methods import METHODS, ROW_METHODS
+from sekv_vllm.methods import METHODS, QUANTIZING_METHODS
 from sekv_vllm.policies import POLICIES
 from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
@@ -33,7 +33,7 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # "sekv:span_score@c0": a sekv backend with another number of score centroids per span;
 # "sekv:router@c32b2": and those centroids at 2 bits per element (score_bits).
 CENTROIDS = "@c"
-# "sekv:snapkv@kv4": an in-engine row-keeping method with its kept rows at 4 bits (kv_bits).
+# "sekv:snapkv@kv4": an in-engine method with its kept rows at 4 bits (kv_bits).
 KV_BITS = "@kv"
 _SCORING = re.compile(r"(\d+)(?:b(\d+))?")
 
@@ -47,9 +47,9 @@ def _scoring(backend: str) -> tuple[int, int | None] | None:
 
 
 def _kv_bits(backend: str) -> int | None:
-    """B of a row-keeping method's '@kvB' suffix; None when it has none or it is malformed."""
+    """B of a quantizing method's '@kvB' suffix; None when it has none or it is malformed."""
     name, sep, spec = backend.partition(KV_BITS)
-    return int(spec) if sep and name[5:] in ROW_METHODS and spec in ("2", "4", "8") else None
+    return int(spec) if sep and name[5:] in QUANTIZING_METHODS and spec in ("2", "4", "8") else None
 
 
 def _centroids_ok(backend: str) -> bool:
@@ -93,8 +93,8 @@ class Grid(BaseModel):
         if unknown or not backends:
             raise ValueError(f"unknown backend(s) {unknown}; allowed: {allowed}, a sekv one optionally with "
                              f"'{CENTROIDS}N' (score centroids per span, N in 0..32) or '{CENTROIDS}NbB' (and "
-                             f"their bits per element, B in {[*QUANT_BITS, 16]}), a row-keeping method's with "
-                             f"'{KV_BITS}B' (its kept rows at B bits, B in [2, 4, 8])")
+                             f"their bits per element, B in {[*QUANT_BITS, 16]}), an in-engine method's that "
+                             f"quantizes ({list(QUANTIZING_METHODS)}) with '{KV_BITS}B' (its kept rows at B bits, B in [2, 4, 8])")
         return backends
 
     @field_validator("sekv_config")
@@ -196,10 +196,10 @@ PROFILES: dict[str, dict] = {
     "methods-engine": {"backends": ("vllm", "sekv", *(f"sekv:{m}" for m in METHODS), "kvpress:snapkv"),
                        "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000,), "samples": 3,
                        "budgets": (0.25, 0.125)},
-    # KV quantization composed with SnapKV's choice of rows, against the same choice at 16 bits, quest and SeKV at
-    # the same budgets (a budget is bytes: quantized rows buy more rows).
+    # KV quantization composed with SnapKV's choice of rows and with quest's pages, against both at 16 bits and
+    # SeKV at the same budgets (a budget is bytes: quantized rows buy more rows, quantized pages more pages read).
     "kv-quant": {"backends": ("vllm", "sekv", "sekv:snapkv", "sekv:snapkv@kv8", "sekv:snapkv@kv4", "sekv:snapkv@kv2",
-                              "sekv:quest"),
+                              "sekv:quest", "sekv:quest@kv8", "sekv:quest@kv4"),
                  "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000,), "samples": 3,
                  "budgets": (0.25, 0.125)},
     "full": {"backends": ("vllm", "sekv", "sekv:span_score", *(f"kvpress:{p}" for p in PRESSES)), "tasks": tuple(sorted(FAMILIES)),

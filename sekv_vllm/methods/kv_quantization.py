@@ -85,7 +85,7 @@ class KVQuantization:
         codes = codes.to(torch.uint8).reshape(n, Hkv, D // per_byte, per_byte)
         shifts = torch.arange(per_byte, device=x.device, dtype=torch.uint8) * self.bits
         packed = (codes << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bits: the sum is their OR
-        return torch.cat([packed.reshape(n, -1), _bytes(scale, n), _bytes(low, n)], dim=1)
+        return torch.cat([packed.reshape(n, Hkv * D // per_byte), _bytes(scale, n), _bytes(low, n)], dim=1)
 
     def _dequantize(self, raw: torch.Tensor, Hkv: int, D: int, dtype: torch.dtype) -> torch.Tensor:
         """bytes [n, tensor_bytes] -> x [n, Hkv, D] of `dtype`."""
@@ -110,8 +110,8 @@ class KVQuantization:
 
 
 def _bytes(x: torch.Tensor, n: int) -> torch.Tensor:
-    """float16 [n, ...] -> its bytes [n, m] uint8."""
-    return x.contiguous().view(torch.uint8).reshape(n, -1)
+    """float16 [n, Hkv, G] -> its bytes [n, Hkv * G * 2] uint8."""
+    return x.contiguous().view(torch.uint8).reshape(n, x.shape[1] * x.shape[2] * x.element_size())
 
 
 def _floats(raw: torch.Tensor, n: int, Hkv: int, G: int) -> torch.Tensor:

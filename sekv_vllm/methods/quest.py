@@ -10,7 +10,10 @@ As in Quest, pages are chosen per KV head and step, from the bounds alone. Unlik
 every page in GPU memory, the pages live in the host pool (nothing is evicted) and the fast tier holds
 the bounds, the window and the pages read per step. With GQA a KV head's pages are ranked by the
 largest bound among its query heads, each head's bounds first normalised by their log-sum-exp over
-the pages (heads' logit scales differ). Lossless when every page is read.
+the pages (heads' logit scales differ). Lossless when every page is read. With `kv_bits` below 16
+the window and the pages are kept quantized (`kv_quantization.py`; the bounds stay at the KV dtype,
+from the prompt's keys as prefill computed them, the output's as the window kept them): a page read
+costs fewer bytes, so the same budget reads more.
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ import torch
 from pydantic import Field
 
 from sekv_vllm.methods.base import MethodSettings
+from sekv_vllm.methods.kv_quantization import KVQuantization, KVQuantSettings
 
 
-class Quest(MethodSettings):
+class Quest(MethodSettings, KVQuantSettings):
     name: ClassVar[str] = "quest"
 
     page_size: int = Field(16, ge=2, le=256, description="rows per page: one pair of key bounds per page and KV head")
@@ -78,3 +82,27 @@ def gather_pages(pages: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     heads = torch.arange(pages.shape[2], device=pages.device)[:, None]
     rows = pages[chosen, :, heads]  # [Hkv, n, page_size, D]
     return rows.flatten(1, 2).transpose(0, 1)
+
+
+def to_host_pages(k: torch.Tensor, v: torch.Tensor, page_size: int,
+                  codec: KVQuantization | None) -> tuple[torch.Tensor, ...]:
+    """Rows k, v [P * page_size, Hkv, D] as host pages: (k, v) [P, page_size, Hkv, D] (copies), or with `codec`
+    (their codes [P, page_size, row_bytes] uint8,)."""
+    if codec is None:
+        return k.reshape(-1, page_size, *k.shape[1:]).clone(), v.reshape(-1, page_size, *v.shape[1:]).clone()
+    codes = codec.encode(k, v)
+    return (codes.view(-1, page_size, codes.shape[1]),)
+
+
+def read_host_pages(pages: tuple[torch.Tensor, ...], chosen: torch.Tensor, codec: KVQuantization | None,
+                    row_shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each KV head's chosen pages (`to_host_pages`' form; chosen [Hkv, n]) -> k, v
+    [n * page_size, Hkv, D] of `dtype`; quantized pages are decoded once each, whichever heads chose them."""
+    if codec is None:
+        return gather_pages(pages[0], chosen), gather_pages(pages[1], chosen)
+    union, where = torch.unique(chosen, return_inverse=True)
+    codes = pages[0][union]  # [u, page_size, row_bytes]
+    u, page_size = codes.shape[:2]
+    k, v = codec.decode(codes.reshape(u * page_size, -1), *row_shape, dtype)
+    return (gather_pages(k.view(u, page_size, *row_shape), where),
+            gather_pages(v.view(u, page_size, *row_shape), where))

@@ -103,7 +103,7 @@ class KeptRowsRunner(MethodRunner):
     def query_window(self) -> int:
         return self.method.query_window
 
-    def full_kv_reason(self, prompt_len: int) -> str:
+    def full_kv_reason(self, prompt_len: int, budget: int, kv_bits: int | None) -> str:
         window = self.method.query_window
         return f"prompt ({prompt_len}) not longer than {self.method.name}'s query window ({window})" \
             if prompt_len <= window else ""

@@ -38,8 +38,9 @@ class MethodRunner(ABC):
         return False
 
     @abstractmethod
-    def full_kv_reason(self, prompt_len: int) -> str:
-        """Why a prompt of this length keeps full KV with this method, or ""."""
+    def full_kv_reason(self, prompt_len: int, budget: int, kv_bits: int | None) -> str:
+        """Why a prompt of this length keeps full KV with this method under a budget of `budget` rows (and the
+        request's `sekv_kv_bits`), or "" (asked at admission, before prefill captures anything for it)."""
 
     @abstractmethod
     def compress(self, mem: RequestMemory) -> str:

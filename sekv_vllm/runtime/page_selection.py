@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from sekv_vllm.core import exact_attention
-from sekv_vllm.methods.quest import Quest, box_scores, gather_pages, page_bounds, page_box, top_pages
+from sekv_vllm.methods.kv_quantization import KVQuantization
+from sekv_vllm.methods.quest import Quest, box_scores, page_bounds, page_box, read_host_pages, to_host_pages, top_pages
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.method_runner import MethodRunner
-from sekv_vllm.runtime.paged_rows import PagedRows
+from sekv_vllm.runtime.paged_rows import PagedRows, RowPages
+from sekv_vllm.runtime.quantized_rows import QuantizedRows
 from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status
+from sekv_vllm.runtime.row_placement import leave_engine_pages
 
 logger = logging.getLogger("sekv_vllm")
 
@@ -30,26 +33,35 @@ logger = logging.getLogger("sekv_vllm")
 class SelectedPages:
     """A request's page state (`RequestMemory.method_state`).
 
-    paged: positions [0, paged) are in host pages of every layer (pool key: the layer name, entry
-    (k, v) [P, page_size, Hkv, D]; 0: nothing paged, every row in the window); centre, half: per layer
-    [P, Hkv, D] (KV dtype) their key bounds as box centres and half-widths (`page_box`); budget_rows: the fast-tier rows the request may hold for its paged text, window and
-    pages read (grows with the output at the request's ratio); pages_per_step: pages read per KV head;
-    window_rows: the prompt rows not paged (what the budget pays for beside the bounds and the pages read;
-    the output's rows are not charged, as with every method).
+    paged: positions [0, paged) are in host pages of every layer (pool key: the layer name; entry (k, v)
+    [P, page_size, Hkv, D], or with `codec` their rows' codes ([P, page_size, row_bytes] uint8,); 0: nothing
+    paged, every row in the window). codec: the request's KV quantization (None: rows as they are; window
+    and pages alike). full_row, row: a row's bytes at the KV dtype and as kept. centre, half: per layer
+    [P, Hkv, D] (KV dtype) the pages' key bounds as box centres and half-widths (`page_box`). budget_rows:
+    the fast-tier rows (at the KV dtype) the request may hold for its paged text, window and pages read
+    (grows with the output at the request's ratio). pages_per_step: pages read per KV head. window_rows: the
+    prompt rows not paged (what the budget pays for beside the bounds and the pages read; the output's rows
+    are not charged, as with every method).
     """
 
     paged: int
     budget_rows: int
     pages_per_step: int
     window_rows: int
+    codec: KVQuantization | None
+    full_row: int
+    row: int
     centre: dict[str, torch.Tensor] = field(default_factory=dict)
     half: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int) -> int:
-    """Pages read per KV head and step: what the budget leaves once the bounds (one row per page: its lo and
-    hi keys) and the window are paid for."""
-    return min(max((budget_rows - pages - window_rows) // page_size, 0), pages)
+def pages_read(budget_rows: int, pages: int, window_rows: int, page_size: int, full_row: int = 1,
+               row: int = 1) -> int:
+    """Pages read per KV head and step: what the budget leaves once the bounds (one row per page at the KV
+    dtype: its key box) and the window are paid for; full_row, row: a row's bytes at the KV dtype and as kept
+    (quantized rows: more pages for the same budget)."""
+    left = (budget_rows - pages) * full_row - window_rows * row
+    return min(max(left // (page_size * row), 0), pages)
 
 
 class PageSelectRunner(MethodRunner):
@@ -61,30 +73,50 @@ class PageSelectRunner(MethodRunner):
         self.method, self.layer_names, self.pool = method, layer_names, pool
         self.block, self.spare, self.growth = block, spare, growth
 
-    def full_kv_reason(self, prompt_len: int) -> str:
+    def full_kv_reason(self, prompt_len: int, budget: int, kv_bits: int | None) -> str:
         m = self.method
-        if m.paged_rows(prompt_len) == 0:
+        paged = m.paged_rows(prompt_len)
+        if paged == 0:
             return (f"prompt ({prompt_len}) shorter than {m.name}'s recent_rows ({m.recent_rows}) + one page "
                     f"({m.page_size})")
+        if m.kv_quantization(kv_bits) is None:  # quantized rows' bytes are known once the rows are (`compress`)
+            return self._budget_reason(budget, prompt_len, paged, 1, 1)
+        return ""
+
+    def _budget_reason(self, budget: int, prompt_len: int, paged: int, full_row: int, row: int) -> str:
+        m = self.method
+        if budget < prompt_len and pages_read(budget, paged // m.page_size, prompt_len - paged, m.page_size,
+                                              full_row, row) < 1:
+            return (f"budget ({budget} rows) cannot hold {m.name}'s page bounds ({paged // m.page_size} rows), "
+                    f"window ({prompt_len - paged}) and one page ({m.page_size})")
         return ""
 
     def compress(self, mem: RequestMemory) -> str:
         m, T = self.method, mem.prompt_len
+        first = next(iter(mem.captured.values()))
+        Hkv, D = first.k.shape[1:]
+        codec = m.kv_quantization(mem.kv_bits)
+        if codec is not None:
+            try:
+                codec.check_head_size(D)
+            except ValueError as err:  # a request's sekv_kv_bits on a model whose heads the groups do not divide
+                return str(err)
+        full_row = 2 * Hkv * D * first.k.element_size()
         # A budget that covers the prompt reads every row: nothing to page or select.
         paged = 0 if mem.budget >= T else m.paged_rows(T)
-        st = SelectedPages(paged=0, budget_rows=mem.budget, pages_per_step=0, window_rows=T - paged)
-        if paged and pages_read(mem.budget, paged // m.page_size, T - paged, m.page_size) < 1:
-            return (f"budget ({mem.budget} rows) cannot hold {m.name}'s page bounds ({paged // m.page_size} rows), "
-                    f"window ({T - paged}) and one page ({m.page_size})")
+        st = SelectedPages(paged=0, budget_rows=mem.budget, pages_per_step=0, window_rows=T - paged, codec=codec,
+                           full_row=full_row, row=codec.row_bytes(Hkv, D) if codec else full_row)
+        reason = self._budget_reason(mem.budget, T, paged, st.full_row, st.row) if paged else ""
+        if reason:
+            return reason
         rows = {name: mem.captured[name].view() for name in self.layer_names}
         if paged and not self._page_out(mem, st, rows, paged):
             return "host pool full"
-        st.pages_per_step = pages_read(mem.budget, st.paged // m.page_size, st.window_rows, m.page_size)
+        st.pages_per_step = self._pages_read(st)
         mem.method_state = st
-        mem.next_position = next(iter(mem.captured.values())).length
+        mem.next_position = first.length
         # Rows past the prompt (a resumed request's earlier output) stay in the window.
-        mem.rows = {name: PagedRows.of_rows(k[paged:], v[paged:], self.block, spare=self.spare)
-                    for name, (k, v) in rows.items()}
+        mem.rows = {name: self._window(st, k[paged:], v[paged:], self.spare) for name, (k, v) in rows.items()}
         mem.captured = {}
         mem.status = Status.COMPRESSED
         mem.figures = self._figures(mem, st)
@@ -93,22 +125,29 @@ class PageSelectRunner(MethodRunner):
                     st.pages_per_step, 100 * mem.figures["fast_tier_fraction"])
         return ""
 
+    def _pages_read(self, st: SelectedPages) -> int:
+        return pages_read(st.budget_rows, st.paged // self.method.page_size, st.window_rows, self.method.page_size,
+                          st.full_row, st.row)
+
+    def _window(self, st: SelectedPages, k: torch.Tensor, v: torch.Tensor, spare: int) -> RowPages:
+        """The window's rows k, v [n, Hkv, D] in pages of their own, quantized with the request's pages."""
+        if st.codec is None:
+            return PagedRows.of_rows(k, v, self.block, spare=spare)
+        return QuantizedRows.of_rows(k, v, st.codec, self.block, spare=spare)
+
     def _page_out(self, mem: RequestMemory, st: SelectedPages, rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
                   n: int) -> bool:
         """Rows [0, n) of every layer's rows (k, v [>= n, Hkv, D]; positions from st.paged on) into host pages
         beside the request's earlier ones, their bounds into the fast tier; False (nothing changed) when the
         host pool cannot take them."""
         page = self.method.page_size
-        if not self.pool.fits(sum(2 * k[:n].nbytes for k, _ in rows.values())):
+        if not self.pool.fits(n * st.row * len(rows)):
             return False
         for name, (k, v) in rows.items():
-            k_new, v_new = k[:n].reshape(-1, page, *k.shape[1:]), v[:n].reshape(-1, page, *v.shape[1:])
+            new = to_host_pages(k[:n], v[:n], page, st.codec)
             if st.paged:
-                old_k, old_v = self.pool.load(mem.req_id, name)
-                k_new, v_new = torch.cat([old_k, k_new]), torch.cat([old_v, v_new])
-            else:  # a copy that holds exactly these rows, not a view of the prefill buffer
-                k_new, v_new = k_new.clone(), v_new.clone()
-            self.pool.store(mem.req_id, name, (k_new, v_new), k_new.nbytes + v_new.nbytes)
+                new = tuple(torch.cat(pair) for pair in zip(self.pool.load(mem.req_id, name), new))
+            self.pool.store(mem.req_id, name, new, sum(t.nbytes for t in new))
             centre, half = page_box(*page_bounds(k[:n], page))
             st.centre[name] = torch.cat([st.centre[name], centre]) if name in st.centre else centre
             st.half[name] = torch.cat([st.half[name], half]) if name in st.half else half
@@ -116,10 +155,10 @@ class PageSelectRunner(MethodRunner):
         return True
 
     def _figures(self, mem: RequestMemory, st: SelectedPages) -> dict:
-        row, L = next(iter(mem.rows.values())).row_bytes, len(self.layer_names)
+        L = len(self.layer_names)
         pages = st.paged // self.method.page_size
-        # the fast tier: bounds (one row per page), the window and the pages read per step
-        fast_rows = pages + st.window_rows + st.pages_per_step * self.method.page_size
+        # the fast tier: bounds (one row per page, at the KV dtype), the window and the pages read per step
+        fast_row_bytes = pages * st.full_row + (st.window_rows + st.pages_per_step * self.method.page_size) * st.row
         figures = {
             "req_id": mem.req_id,
             "method": mem.method,
@@ -130,8 +169,9 @@ class PageSelectRunner(MethodRunner):
             "page_size": self.method.page_size,
             "pages_per_step": st.pages_per_step,
             "window_tokens": st.window_rows,
-            "full_kv_bytes": mem.prompt_len * row * L,
-            "fast_tier_bytes": fast_rows * row * L,
+            "kv_bits": st.codec.bits if st.codec else 16,
+            "full_kv_bytes": mem.prompt_len * st.full_row * L,
+            "fast_tier_bytes": fast_row_bytes * L,
             "host_pool_bytes": self.pool.owner_bytes(mem.req_id),
         }
         figures["fast_tier_fraction"] = figures["fast_tier_bytes"] / figures["full_kv_bytes"]
@@ -144,10 +184,11 @@ class PageSelectRunner(MethodRunner):
             st: SelectedPages = mem.method_state
             k, v = mem.rows[layer_name].view()
             if st.paged:
-                k_pages, v_pages = self.pool.load(mem.req_id, layer_name)
                 scores = box_scores(q[i], st.centre[layer_name], st.half[layer_name], scale)
                 chosen = top_pages(scores, st.pages_per_step)
-                k, v = torch.cat([gather_pages(k_pages, chosen), k]), torch.cat([gather_pages(v_pages, chosen), v])
+                host = self.pool.load(mem.req_id, layer_name)
+                k_read, v_read = read_host_pages(host, chosen, st.codec, k.shape[1:], k.dtype)
+                k, v = torch.cat([k_read, k]), torch.cat([v_read, v])
             out[i] = exact_attention(q[i], k, v, scale)
             mem.decode_calls += 1
             mem.zoomed_spans_total += st.pages_per_step
@@ -177,13 +218,13 @@ class PageSelectRunner(MethodRunner):
                            "fast tier", self.pool.used_bytes, self.pool.capacity_bytes, mem.req_id,
                            mem.next_position - start)
             return None
-        mem.rows = {name: PagedRows.of_rows(k[n:], v[n:], self.block, spare=self.growth + 1)
-                    for name, (k, v) in rows.items()}
+        leave_engine_pages(mem)  # the window is rebuilt in pages of its own; some of its pages go back to vLLM
+        mem.rows = {name: self._window(st, k[n:], v[n:], self.growth + 1) for name, (k, v) in rows.items()}
         st.budget_rows += math.ceil(n * mem.budget / mem.prompt_len)
-        st.pages_per_step = pages_read(st.budget_rows, st.paged // m.page_size, st.window_rows, m.page_size)
+        st.pages_per_step = self._pages_read(st)
         # the new pages' bounds and the rows read per step in more
-        fast_rows = n // m.page_size + (st.pages_per_step - pages_before) * m.page_size
-        fast_bytes = fast_rows * mem.rows[self.layer_names[0]].row_bytes * len(self.layer_names)
+        fast_bytes = (n // m.page_size * st.full_row
+                      + (st.pages_per_step - pages_before) * m.page_size * st.row) * len(self.layer_names)
         mem.output_fast_tier_bytes += fast_bytes
         logger.info("sekv: %s: output rows %d-%d -> %d host pages; %d pages read per step", mem.req_id, start,
                     start + n, n // m.page_size, st.pages_per_step)

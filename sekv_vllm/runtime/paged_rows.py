@@ -60,6 +60,11 @@ class RowPages(ABC):
         """An empty store of this layout in other pages: the engine's [P', 2, block, Hkv, D] (not own), or
         pages of its own [P', ...] when `table` is None (own)."""
 
+    @property
+    def pages_used(self) -> torch.Tensor:
+        """The ids of the pages the valid rows occupy, in row order."""
+        return self.table[: self._pages_for(self.length)]
+
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows [start, start + n) = k, v [n, Hkv, D]; rows before start must be valid."""
         n = k.shape[0]
@@ -98,6 +103,15 @@ class RowPages(ABC):
         other._put(0, self._get(0, self.length))  # as stored: nothing quantized twice
         other.length = self.length
         return other
+
+    def fits(self, pages: torch.Tensor, table: torch.Tensor) -> bool:
+        """Whether the engine's pages [P', 2, block, Hkv, D] listed in table [m] hold the valid rows."""
+        return self._in(pages, table.to(torch.int64)).capacity >= self.length
+
+    def scrub(self) -> None:
+        """The rows leave the engine's pages: none of their bytes may read as a NaN to vLLM's kernel, which may
+        attend over a whole page of the next request holding it (masked slots included). Rows in the KV dtype
+        are values already."""
 
     def place(self, pages: torch.Tensor, table: torch.Tensor) -> "RowPages":
         """The same rows written into the engine's pages [P', 2, block, Hkv, D], table [m] (enough for them)."""

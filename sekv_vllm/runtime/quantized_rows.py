@@ -79,6 +79,11 @@ class QuantizedRows(RowPages):
         self.pages[self.table.to(self.pages.device)[flat // self.page_bytes], flat % self.page_bytes] = \
             self._get(src, 1)[0][cells]
 
+    def scrub(self) -> None:
+        if not self.own:  # codes read as floats can be NaN: the pages go back zeroed
+            with torch.inference_mode():  # the engine's cache is an inference tensor; this runs between steps
+                self.pages[self.table.to(self.pages.device)] = 0
+
     def _in(self, pages: torch.Tensor, table: torch.Tensor | None) -> "QuantizedRows":
         if table is None:
             return QuantizedRows(pages, torch.arange(pages.shape[0]), 0, True, self.codec, self.row_shape, self.dtype)

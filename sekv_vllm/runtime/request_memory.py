@@ -18,6 +18,7 @@ from sekv_vllm.config import RequestOverrides, SeKVConfig, SeKVConfigError
 from sekv_vllm.core import LayerSpanMemory
 from sekv_vllm.methods import METHODS, SEKV, MethodSettings, RowKeepingMethod
 from sekv_vllm.methods.h2o import accumulate_attention
+from sekv_vllm.methods.kv_quantization import KVQuantSettings
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime.kept_rows import KeptRowsRunner
@@ -26,7 +27,7 @@ from sekv_vllm.runtime.page_selection import PageSelectRunner
 from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal, running_figures
 from sekv_vllm.runtime.row_buffer import RowBuffer
 from sekv_vllm.runtime.row_placement import (
-    OWN_BLOCK, add_pages, in_engine_pages, make_room, place_rows, rows_to_own_pages,
+    OWN_BLOCK, add_pages, in_engine_pages, leave_engine_pages, make_room, place_rows, rows_to_own_pages,
 )
 from sekv_vllm.runtime.span_runner import SpanRunner
 
@@ -45,7 +46,7 @@ class SeKVRuntime:
         self.config = config
         self.layer_names = layer_names
         # SeKV's span memories, quest's host pages ((k, v) per layer)
-        self.pool: HostPool[LayerSpanMemory | tuple[torch.Tensor, torch.Tensor]] = HostPool(config.host_pool_bytes)
+        self.pool: HostPool[LayerSpanMemory | tuple[torch.Tensor, ...]] = HostPool(config.host_pool_bytes)
         self.requests: dict[str, RequestMemory] = {}
         # Every method by name: SeKV's runner (its policy, kernel, spans) and one per other method.
         self.sekv = SpanRunner(config, layer_names, self.pool, shape, model_name)
@@ -58,13 +59,13 @@ class SeKVRuntime:
         """The runner of a method's kind: a choice of rows, or pages selected per step; a method's quantization
         that does not fit the model's head size (`shape`) is refused."""
         spare = self.config.window_growth + 1
+        codec = method.kv_quantization() if isinstance(method, KVQuantSettings) else None
+        if codec is not None and shape is not None:
+            try:
+                codec.check_head_size(shape.head_dim)
+            except ValueError as err:
+                raise SeKVConfigError(f"invalid sekv config: sekv.{err}") from None
         if isinstance(method, RowKeepingMethod):
-            codec = method.kv_quantization()
-            if codec is not None and shape is not None:
-                try:
-                    codec.check_head_size(shape.head_dim)
-                except ValueError as err:
-                    raise SeKVConfigError(f"invalid sekv config: sekv.{err}") from None
             return KeptRowsRunner(method, self.layer_names, OWN_BLOCK, spare=spare)
         return PageSelectRunner(method, self.layer_names, self.pool, OWN_BLOCK, spare=spare,
                                 growth=self.config.window_growth)
@@ -81,7 +82,7 @@ class SeKVRuntime:
             overrides = RequestOverrides.from_extra_args(extra_args)
             method = overrides.sekv_method or method
             budget = self.config.budget_for(prompt_len, overrides)
-            reason = self._full_kv_reason(prompt_len, overrides, method)
+            reason = self._full_kv_reason(prompt_len, overrides, method, budget)
         except ValueError as err:
             budget, reason = prompt_len, f"bad per-request settings: {err}"
             logger.warning("sekv: request %s keeps full KV: %s", req_id, reason)
@@ -92,13 +93,13 @@ class SeKVRuntime:
         self.requests[req_id] = mem
         return mem
 
-    def _full_kv_reason(self, prompt_len: int, overrides: RequestOverrides, method: str) -> str:
+    def _full_kv_reason(self, prompt_len: int, overrides: RequestOverrides, method: str, budget: int) -> str:
         """Why a request keeps full KV, or "" when it will be compressed."""
         if not overrides.sekv_compress:
             return "compression switched off by the request"
         if prompt_len < self.config.min_prompt_tokens:
             return f"prompt ({prompt_len}) shorter than min_prompt_tokens ({self.config.min_prompt_tokens})"
-        return self.methods[method].full_kv_reason(prompt_len)
+        return self.methods[method].full_kv_reason(prompt_len, budget, overrides.sekv_kv_bits)
 
     def get(self, req_id: str) -> RequestMemory | None:
         return self.requests.get(req_id)
@@ -290,6 +291,7 @@ class SeKVRuntime:
             figures = {}
         mem = self.requests.pop(req_id, None)
         if mem is not None:
+            leave_engine_pages(mem)
             self.methods[mem.method].forget(req_id)
         self.pool.release(req_id)
         if not self.requests:

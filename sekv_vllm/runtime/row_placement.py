@@ -18,11 +18,10 @@ def place_rows(mem: RequestMemory, pages: dict[str, torch.Tensor], table: torch.
     KV cache of that layer, reinterpreted), table [m] int64 the request's pages in the order its rows fill
     them (the kept ones; later ones come with `add_pages`). False (rows left where they are, logged) when
     they do not fit."""
-    block = next(iter(pages.values())).shape[2]
-    length = next(iter(mem.rows.values())).length
-    if table.numel() * block < length:
+    name, first = next(iter(mem.rows.items()))
+    if not first.fits(pages[name], table):
         logger.warning("sekv: %s: %d rows do not fit its %d kept pages; they stay in sekv's own memory",
-                       mem.req_id, length, table.numel())
+                       mem.req_id, first.length, table.numel())
         return False
     for name, rows in mem.rows.items():
         mem.rows[name] = rows.place(pages[name], table)
@@ -55,3 +54,11 @@ def rows_to_own_pages(mem: RequestMemory, spare: int) -> None:
     for name, rows in mem.rows.items():
         if not rows.own:
             mem.rows[name] = rows.to_own(OWN_BLOCK, spare)
+            rows.scrub()
+
+
+def leave_engine_pages(mem: RequestMemory) -> None:
+    """The request's rows no longer live in the engine's pages they are in (it ended, or they are rebuilt in
+    pages of its own): those pages go back to vLLM holding values it can read (`RowPages.scrub`)."""
+    for rows in mem.rows.values():
+        rows.scrub()

@@ -58,7 +58,7 @@ class SpanRunner(MethodRunner):
     def writes_new_rows(self) -> bool:
         return self.kernel is not None  # the kernel appends the newest rows in place
 
-    def full_kv_reason(self, prompt_len: int) -> str:
+    def full_kv_reason(self, prompt_len: int, budget: int, kv_bits: int | None) -> str:
         window = self.config.window
         return f"prompt ({prompt_len}) fits in the window ({window})" if prompt_len <= window else ""
 

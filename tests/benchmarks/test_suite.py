@@ -48,7 +48,7 @@ def test_sekv_backend_settings():
         make_grid(backends=["sekv:snapkv@c4"])
     # a row-keeping method with its kept rows quantized
     assert make_grid(backends=["sekv:snapkv@kv4"]).sekv_settings("sekv:snapkv@kv4") == {"method": "snapkv", "kv_bits": 4}
-    for bad in ("sekv:snapkv@kv3", "sekv:quest@kv4", "sekv@kv8", "vllm@kv8"):
+    for bad in ("sekv:snapkv@kv3", "sekv@kv8", "vllm@kv8"):
         with pytest.raises(GridError, match=re.escape(f"unknown backend(s) ['{bad}']")):
             make_grid(backends=[bad])
 

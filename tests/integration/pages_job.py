@@ -32,7 +32,7 @@ def rows_in_pages(manager) -> dict[str, bool]:
         ok = True
         for name, layer in bridge.layers.items():
             rows = mem.rows[name]
-            used = rows.table[: -(-rows.length // rows.block)].tolist()
+            used = rows.pages_used.tolist()
             ok &= set(used) <= held and rows.pages.data_ptr() == layer.kv_cache.data_ptr()
         out[req_id] = ok
     return out

@@ -122,11 +122,12 @@ def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir,
     # Every registered method but SeKV (the deployment's for the first, `sekv_method` for the others, in one
     # engine) through prefill, compression, decode, pages handed back (as many held as its figures say),
     # preemption under a tiny pool (same outputs as with room); one more request aborted. StreamingLLM's
-    # rows are quantized (4 bits): rows packed across the pages' bytes go through the same path.
+    # rows are quantized (4 bits), quest's window and pages too (8 bits): rows packed across the pages' bytes
+    # go through the same path.
     methods = sorted(METHODS)
     n = len(methods) + 1
     chosen = [methods[i % len(methods)] for i in range(n)]
-    bits = {"streaming_llm": {"sekv_kv_bits": 4}}
+    bits = {"streaming_llm": {"sekv_kv_bits": 4}, "quest": {"sekv_kv_bits": 8}}
     spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256},
             "prompts": essay_ids(700, n), "extra_args": [{"sekv_method": m, **bits.get(m, {})} for m in chosen],
             "max_tokens": 300,
@@ -148,6 +149,8 @@ def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir,
         assert fig["method"] == chosen[int(rid[1:])] and fig["fast_tier_fraction"] == pytest.approx(0.125, abs=0.01)
         if fig["method"] == "streaming_llm":  # 4-bit rows: the same bytes keep more than 3x the rows
             assert fig["kv_bits"] == 4 and fig["kept_prompt_rows"] > 3 * math.ceil(0.125 * n)
+        if fig["method"] == "quest":  # 8-bit pages: the same bytes read more of them than 16-bit ones would
+            assert fig["kv_bits"] == 8 and fig["pages_per_step"] * fig["page_size"] > 0.125 * n - fig["host_pages"]
         assert fig["vllm_pages_held_bytes"] == kept_pages * block_bytes and min(held) == kept_pages
         assert max(held) >= math.ceil(n / bs)
     checks = [ok for t in roomy["trace"] for ok in t["rows_in_pages"].values()]

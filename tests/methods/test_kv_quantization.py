@@ -9,9 +9,13 @@ from sekv_vllm.config import RequestOverrides, SeKVConfig, SeKVConfigError
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, SnapKV, StreamingLLM, gather_kept
 from sekv_vllm.methods.kv_quantization import KVQuantization
+from sekv_vllm.methods.quest import gather_pages, page_bounds, page_scores, top_pages
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime, Status
 from sekv_vllm.runtime.quantized_rows import QuantizedRows
+from tests.methods.test_quest import PAGE, generate
+from tests.methods.test_quest import prefill as quest_prefill
+from tests.methods.test_quest import runtime as quest_runtime
 from tests.methods.test_row_methods import LAYERS, HKV, D, H, T, prefill
 
 BITS = (8, 4, 2)
@@ -78,7 +82,7 @@ def test_quantized_rows_straddle_pages_and_survive_placement_and_copies(bits):
     with pytest.raises(ValueError, match="cannot hold 100 rows"):
         stored.place(pages, table[: need - 1])
     placed = stored.place(pages, table)
-    assert not placed.own and placed.capacity >= 100
+    assert not placed.own and placed.capacity >= 100 and torch.equal(placed.pages_used, table[:need])
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[table] = False
     assert not bool(pages[untouched].any())  # only the pages handed over were written
@@ -90,6 +94,20 @@ def test_quantized_rows_straddle_pages_and_survive_placement_and_copies(bits):
     own = placed.to_own(block=64, spare=5)  # preempted: out of the engine's pages, bytes as stored
     assert own.own and own.capacity >= own.length + 5
     assert all(torch.equal(a, b) for a, b in zip(own.view(), placed.view()))
+    placed.scrub()  # codes read as floats may be NaN: the pages go back to vLLM zeroed
+    assert not bool(pages.any())
+
+
+def test_a_request_that_ends_leaves_no_codes_in_the_engines_pages():
+    rt = quantized_runtime("snapkv", budget_ratio=0.25, kv_bits=2)
+    rt.admit("r", T, None)
+    prefill(rt, "r")
+    rt.compress("r")
+    pages = {name: torch.zeros(8, 2, 16, HKV, D) for name in LAYERS}  # float32 pages, as the suite's engine
+    assert rt.place_rows("r", pages, torch.tensor([5, 2, 7]))
+    assert all(bool(p.isnan().any() or p.any()) for p in pages.values())
+    rt.release("r", outcome="finished")
+    assert not any(bool(p.any()) for p in pages.values())
 
 
 def quantized_runtime(method, **settings):
@@ -151,7 +169,7 @@ def test_a_request_chooses_its_bits_with_its_method_and_bad_choices_are_refused(
     with pytest.raises(SeKVConfigError, match="sekv_kv_bits needs sekv_method naming a method"):
         RequestOverrides.from_extra_args({"sekv_kv_bits": 4})
     with pytest.raises(SeKVConfigError, match="sekv_kv_bits needs sekv_method"):
-        RequestOverrides.from_extra_args({"sekv_kv_bits": 4, "sekv_method": "quest"})
+        RequestOverrides.from_extra_args({"sekv_kv_bits": 4, "sekv_method": "sekv"})
     assert rt.admit("bad", T, {"sekv_kv_bits": 5, "sekv_method": "snapkv"}).status is Status.FULL_KV
     with pytest.raises(SeKVConfigError, match=r"sekv\.kv_bits: not a setting of method 'sekv'"):
         SeKVConfig.from_additional_config({"sekv": {"kv_bits": 4}})
@@ -159,3 +177,53 @@ def test_a_request_chooses_its_bits_with_its_method_and_bad_choices_are_refused(
     with pytest.raises(SeKVConfigError, match="kv_quant_group: 64 does not divide the model's head size 48"):
         SeKVRuntime(config, LAYERS, ModelShape(num_layers=2, num_heads=6, num_kv_heads=2, head_dim=48))
     assert StreamingLLM().kv_quantization() is None
+
+
+def test_quest_with_quantized_pages_reads_more_of_them_and_attends_them_as_their_codes_give_them_back():
+    plain = quest_runtime(budget_ratio=0.125)
+    assert plain.admit("r", T, None).reason.startswith("budget (38 rows) cannot hold quest's page bounds (18 rows)")
+    rt = quest_runtime(budget_ratio=0.125, kv_bits=4, kv_quant_group=16)
+    rt.admit("r", T, None)
+    kv = quest_prefill(rt, "r")
+    assert rt.compress("r").status is Status.COMPRESSED
+    codec = KVQuantization(bits=4, group=16)
+    full_row, row = 2 * HKV * D * 4, codec.row_bytes(HKV, D)
+    paged, window = 288, 12
+    per_step = ((38 - paged // PAGE) * full_row - window * row) // (PAGE * row)  # bounds at the KV dtype
+    fig = rt.figures("r")
+    assert fig["pages_per_step"] == per_step == 5 and fig["kv_bits"] == 4
+    assert fig["fast_tier_bytes"] == (paged // PAGE * full_row + (window + per_step * PAGE) * row) * len(LAYERS)
+    assert fig["fast_tier_fraction"] <= 0.125 and fig["host_pool_bytes"] == paged * row * len(LAYERS)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(2))
+    k1, v1 = torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+    out = rt.attend_batch(["r"], "l1", q, 0.25, k1, v1)
+    k, v = kv["l1"]
+    kq, vq = codec.decode(codec.encode(torch.cat([k, k1]), torch.cat([v, v1])), HKV, D, torch.float32)
+    lo, hi = page_bounds(k[:paged], PAGE)  # the bounds come from the keys as prefill computed them
+    chosen = top_pages(page_scores(q[0], lo, hi, 0.25), per_step)
+    k_read = gather_pages(kq[:paged].view(-1, PAGE, HKV, D), chosen)
+    v_read = gather_pages(vq[:paged].view(-1, PAGE, HKV, D), chosen)
+    ref = exact_attention(q[0], torch.cat([k_read, kq[paged:]]), torch.cat([v_read, vq[paged:]]), 0.25)
+    assert torch.allclose(out[0], ref, atol=1e-5)
+
+
+def test_quest_pages_out_quantized_output_as_the_window_kept_it():
+    rt = quest_runtime(budget_ratio=0.25, window_growth=32, kv_bits=8, kv_quant_group=16)
+    rt.admit("r", T, None)
+    kv = quest_prefill(rt, "r")
+    rt.compress("r")
+    codec = KVQuantization(bits=8, group=16)
+    g = torch.Generator().manual_seed(4)
+    k_all, v_all, parts = generate(rt, *kv["l0"], 40, g)
+    assert [(p.start, p.stop) for p in parts] == [(288, 320)]
+    st = rt.get("r").method_state
+    assert st.paged == 320 and rt.get("r").rows["l0"].length == 20
+    kq, vq = codec.decode(codec.encode(k_all, v_all), HKV, D, torch.float32)  # quantized once, whatever moved
+    q = torch.randn(1, H, D, generator=g)
+    out = rt.attend_batch(["r"], "l0", q, 0.25)
+    lo, hi = page_bounds(torch.cat([k_all[:288], kq[288:320]]), PAGE)  # the output's bounds from its kept rows
+    chosen = top_pages(page_scores(q[0], lo, hi, 0.25), st.pages_per_step)
+    k_read = gather_pages(kq[:320].view(-1, PAGE, HKV, D), chosen)
+    v_read = gather_pages(vq[:320].view(-1, PAGE, HKV, D), chosen)
+    ref = exact_attention(q[0], torch.cat([k_read, kq[320:]]), torch.cat([v_read, vq[320:]]), 0.25)
+    assert torch.allclose(out[0], ref, atol=1e-5)

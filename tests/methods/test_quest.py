@@ -114,21 +114,27 @@ def test_the_page_holding_a_needle_is_read_where_a_recent_window_alone_would_mis
     assert bool((top_pages(page_scores(q[0], lo, hi, scale), 2) == 2).any(dim=1).all())  # every KV head reads page 2
 
 
-def test_the_output_grows_into_host_pages_and_decode_reads_them_like_the_prompts():
-    rt = runtime(budget_ratio=0.5, window_growth=32)
-    rt.admit("r", T, None)
-    kv = prefill(rt, "r")
-    rt.compress("r")
-    k_all, v_all = kv["l0"]
-    g = torch.Generator().manual_seed(4)
+def generate(rt, k_all, v_all, steps, g):
+    """`steps` output rows of request r (random, every layer), its window paged out when due: layer l0's rows
+    k_all, v_all [T + steps, Hkv, D] and what each paging out returned."""
     parts = []
-    for step in range(40):
+    for step in range(steps):
         rows = {name: (torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)) for name in LAYERS}
         for name in LAYERS:
             rt.capture("r", name, T + step, *rows[name])
         k_all, v_all = torch.cat([k_all, rows["l0"][0]]), torch.cat([v_all, rows["l0"][1]])
         if rt.window_due("r"):
             parts.append(rt.spanify_window("r"))
+    return k_all, v_all, parts
+
+
+def test_the_output_grows_into_host_pages_and_decode_reads_them_like_the_prompts():
+    rt = runtime(budget_ratio=0.5, window_growth=32)
+    rt.admit("r", T, None)
+    kv = prefill(rt, "r")
+    rt.compress("r")
+    g = torch.Generator().manual_seed(4)
+    k_all, v_all, parts = generate(rt, *kv["l0"], 40, g)
     assert [(p.start, p.stop) for p in parts] == [(288, 320)]  # due at position 288 + 32: two pages out
     st = rt.get("r").method_state
     # budget 150 rows + 16 for the 32 rows paged out: 20 bounds, 12 window rows, 8 pages of 16
@@ -177,10 +183,8 @@ def test_a_full_host_pool_at_output_growth_is_tried_again_a_growth_later():
 
 def test_a_budget_too_small_for_bounds_window_and_one_page_keeps_full_kv_and_says_why():
     rt = runtime(token_budget=40)
-    rt.admit("r", T, None)
-    prefill(rt, "r")
-    mem = rt.compress("r")
-    assert mem.status is Status.FULL_KV
+    mem = rt.admit("r", T, None)  # known at admission: prefill captures nothing for it
+    assert mem.status is Status.FULL_KV and not rt.is_active("r")
     assert mem.reason == "budget (40 rows) cannot hold quest's page bounds (18 rows), window (12) and one page (16)"
     assert rt.admit("s", 10, None).reason == "prompt (10) shorter than quest's recent_rows (0) + one page (16)"
 
