@@ -59,7 +59,7 @@ def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, block: int,
     evicts = n_keep < mem.prompt_len and method.evicts_while_decoding
     if evicts:
         extra = first.length - mem.prompt_len
-        mem.method_state = {name: start_eviction(pos, mem.prompt_attention.get(name), extra, n_keep)
+        mem.method_state = {name: start_eviction(pos, mem.prompt_attention.get(name), mem.prompt_len, extra, n_keep)
                             for name, pos in kept.items()}
     mem.next_position = first.length
     mem.captured, mem.queries, mem.prompt_attention = {}, {}, {}

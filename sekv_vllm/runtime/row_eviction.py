@@ -28,12 +28,12 @@ class EvictionState:
     evicted: int = 0
 
 
-def start_eviction(positions: torch.Tensor, acc: torch.Tensor | None, extra_rows: int, n_keep: int) -> EvictionState:
-    """The state of a layer just compressed: positions [Hkv, n_keep] kept of the prompt, then `extra_rows`
-    rows after it (a resumed request's earlier output, positions T ..); acc [Hkv, T] what the method
-    accumulated over the prompt (None: zeros)."""
+def start_eviction(positions: torch.Tensor, acc: torch.Tensor | None, T: int, extra_rows: int,
+                   n_keep: int) -> EvictionState:
+    """The state of a layer just compressed: positions [Hkv, n_keep] kept of the T prompt rows, then
+    `extra_rows` rows after them (a resumed request's earlier output, positions T ..); acc [Hkv, T] what the
+    method accumulated over the prompt (None: zeros)."""
     Hkv = positions.shape[0]
-    T = int(positions.max()) + 1 if acc is None else acc.shape[1]
     later = torch.arange(T, T + extra_rows, device=positions.device).expand(Hkv, -1)
     prompt_acc = acc.gather(1, positions) if acc is not None else \
         torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)

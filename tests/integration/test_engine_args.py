@@ -54,7 +54,8 @@ def test_a_row_keeping_method_is_normalised_with_its_own_settings_only(engine_ar
     args = engine_args_cls(model=model_dir, dtype="float32",
                            additional_config={"sekv": {"method": "snapkv", "observation_window": 32}})
     settings = args.create_engine_config().additional_config["sekv"]
-    assert settings["method_settings"] == {"observation_window": 32, "pooling_kernel": 5} and "r_max" not in settings
+    assert settings["method_settings"] == {"kv_bits": 16, "kv_quant_group": 32, "observation_window": 32,
+                                           "pooling_kernel": 5} and "r_max" not in settings
     assert SeKVConfig.from_additional_config({"sekv": settings}).method == "snapkv"  # what the worker reads
 
 

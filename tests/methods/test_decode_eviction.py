@@ -162,3 +162,19 @@ def test_evicting_nothing_where_the_budget_holds_the_prompt_or_the_setting_is_of
         decode(rt, 3)
         kept = rt.figures("r")["kept_prompt_rows"]
         assert not rt.figures("r")["evicts_while_decoding"] and rt.requests["r"].rows["l0"].length == kept + 3
+
+
+def test_a_resumed_requests_earlier_output_joins_the_kept_rows_at_its_own_positions():
+    # Preempted before compression: its recompute captured 5 output rows after the prompt. StreamingLLM keeps 3
+    # prompt rows (all sinks), then those rows; each step evicts the oldest row that is not a sink.
+    rt = runtime("streaming_llm", token_budget=3, sink_tokens=4)
+    rt.admit("r", T, None)
+    prefill(rt, "r")
+    g = torch.Generator().manual_seed(11)
+    for name in LAYERS:
+        rt.capture("r", name, T, torch.randn(5, HKV, D, generator=g), torch.randn(5, HKV, D, generator=g))
+    rt.compress("r")
+    decode(rt, 2)
+    state = rt.requests["r"].method_state["l0"]
+    assert sorted(state.positions[0].tolist()) == [0, 1, 2, *range(T + 2, T + 7)]
+    assert rt.requests["r"].rows["l0"].length == 8 and state.evicted == 2
