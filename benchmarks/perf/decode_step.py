@@ -44,6 +44,8 @@ def synthetic_rows(gen: torch.Generator, length: int) -> tuple[torch.Tensor, tor
 
 
 def build_runtime(config: SeKVConfig, requests: int, length: int, seed: int) -> tuple[SeKVRuntime, list[str]]:
+    """`requests` synthetic prompts of `length` tokens compressed by the config's method (surprisal and
+    queries where it reads them)."""
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(SHAPE.num_layers)]
     rt = SeKVRuntime(config, layers, SHAPE, MODEL)
     gen = torch.Generator().manual_seed(seed)
@@ -51,10 +53,14 @@ def build_runtime(config: SeKVConfig, requests: int, length: int, seed: int) -> 
     for r in range(requests):
         req = f"req-{r}"
         rt.admit(req, length, None)
-        rt.record_surprisal(req, torch.arange(1, length), torch.rand(length - 1, generator=gen) * 8)
+        runner = rt.methods[rt.get(req).method]
+        if runner.needs_surprisal:
+            rt.record_surprisal(req, torch.arange(1, length), torch.rand(length - 1, generator=gen) * 8)
         for name in layers:
             k, v = synthetic_rows(gen, length)
-            rt.capture(req, name, 0, k, v)
+            q = torch.randn(length, SHAPE.num_heads, SHAPE.head_dim, generator=gen) \
+                if runner.query_window or runner.accumulates_prompt_attention else None
+            rt.capture(req, name, 0, k, v, q)
         rt.compress(req)
         ids.append(req)
     return rt, ids

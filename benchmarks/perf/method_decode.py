@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.perf.decode_step import MODEL, RESULTS, SHAPE, full_kv_steps, sekv_steps, synthetic_rows
+from benchmarks.perf.decode_step import RESULTS, build_runtime, full_kv_steps, sekv_steps
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.runtime.request_memory import SeKVRuntime
 
 # (label, SeKVConfig fields beside the budget)
 METHODS = (
@@ -36,26 +35,6 @@ METHODS = (
     ("quest@kv8", {"method": "quest", "kv_bits": 8}),
     ("quest@kv4", {"method": "quest", "kv_bits": 4}),
 )
-
-
-def compressed_runtime(config: SeKVConfig, requests: int, length: int, seed: int) -> tuple[SeKVRuntime, list[str]]:
-    """`requests` synthetic prompts of `length` tokens compressed by the config's method."""
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(SHAPE.num_layers)]
-    rt = SeKVRuntime(config, layers, SHAPE, MODEL)
-    gen = torch.Generator().manual_seed(seed)
-    ids = []
-    for r in range(requests):
-        req = f"req-{r}"
-        rt.admit(req, length, None)
-        if rt.needs_surprisal(req):
-            rt.record_surprisal(req, torch.arange(1, length), torch.rand(length - 1, generator=gen) * 8)
-        for name in layers:
-            k, v = synthetic_rows(gen, length)
-            q = torch.randn(length, SHAPE.num_heads, SHAPE.head_dim, generator=gen)
-            rt.capture(req, name, 0, k, v, q)
-        rt.compress(req)
-        ids.append(req)
-    return rt, ids
 
 
 def plot(result: dict, path: Path) -> None:
@@ -89,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for label, fields in METHODS:
         config = SeKVConfig(budget_ratio=args.budget, min_prompt_tokens=0, **fields)
-        rt, ids = compressed_runtime(config, args.requests, args.length, args.seed)
+        rt, ids = build_runtime(config, args.requests, args.length, args.seed)
         sekv_steps(rt, ids, 1, gen)  # warm-up
         seconds = sekv_steps(rt, ids, args.steps, gen)
         fig = rt.figures(ids[0])
