@@ -9,6 +9,7 @@ dequantized values.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,17 @@ class KVQuantSettings(BaseModel):
         """The codec for `bits` (default: the setting); None at 16 bits (rows kept as they are)."""
         bits = self.kv_bits if bits is None else bits
         return None if bits == 16 else KVQuantization(bits=bits, group=self.kv_quant_group)
+
+    def request_quantization(self, bits: int | None, D: int) -> "tuple[KVQuantization | None, str]":
+        """The codec of a request (its `sekv_kv_bits`, else the setting) for heads of size D, and "" ; or
+        (None, why) when its groups do not divide the heads (a request's bits on such a model keep full KV)."""
+        codec = self.kv_quantization(bits)
+        try:
+            if codec is not None:
+                codec.check_head_size(D)
+        except ValueError as err:
+            return None, str(err)
+        return codec, ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class KVQuantization:
         """Bytes of one row (K and V of every KV head)."""
         return 2 * self.tensor_bytes(Hkv, D)
 
+    @functools.lru_cache(maxsize=8)  # read at every eviction of every layer: the same few shapes
     def head_bytes(self, Hkv: int, D: int, device: torch.device) -> torch.Tensor:
         """[Hkv, m] int64: the offsets in a row of every byte of each KV head (its K and V codes, scales and
         minima)."""

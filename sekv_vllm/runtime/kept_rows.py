@@ -15,6 +15,7 @@ import torch
 
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
+from sekv_vllm.methods.kv_quantization import KVQuantization
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows, RowPages
 from sekv_vllm.runtime.quantized_rows import QuantizedRows
@@ -41,15 +42,16 @@ def keep_prompt_rows(method: RowKeepingMethod, mem: RequestMemory, n_keep: int,
     return kept
 
 
-def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, block: int, spare: int) -> None:
+def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, codec: KVQuantization | None, block: int,
+                       spare: int) -> None:
     """A prefilled request compressed by a row-keeping method: the prompt rows it keeps per KV head (the
     rest evicted) in pages of `block` rows with room for `spare` more, its figures. Quantized rows
-    (`kv_bits` < 16) cost fewer bytes each: the budget's bytes keep more of them. A method that evicts
-    while decoding keeps them at their count (`row_eviction.py`) unless they hold the whole prompt."""
+    (`codec`: the request's `kv_bits` < 16) cost fewer bytes each: the budget's bytes keep more of them. A
+    method that evicts while decoding keeps them at their count (`row_eviction.py`) unless they hold the
+    whole prompt."""
     first = next(iter(mem.captured.values()))
     Hkv, D = first.k.shape[1:]
     full_row = 2 * Hkv * D * first.k.element_size()
-    codec = method.kv_quantization(mem.kv_bits)
     if codec is None:
         row, store = full_row, lambda k, v: PagedRows.of_rows(k, v, block, spare=spare)
     else:
@@ -111,13 +113,10 @@ class KeptRowsRunner(MethodRunner):
     def compress(self, mem: RequestMemory) -> str:
         if self.method.query_window and set(mem.queries) != set(self.layer_names):
             return "prompt queries were not captured in every layer"
-        codec = self.method.kv_quantization(mem.kv_bits)
-        if codec is not None:
-            try:
-                codec.check_head_size(next(iter(mem.captured.values())).k.shape[2])
-            except ValueError as err:  # a request's sekv_kv_bits on a model whose heads the groups do not divide
-                return str(err)
-        compress_kept_rows(self.method, mem, self.block, self.spare)
+        codec, reason = self.method.request_quantization(mem.kv_bits, next(iter(mem.captured.values())).k.shape[2])
+        if reason:
+            return reason
+        compress_kept_rows(self.method, mem, codec, self.block, self.spare)
         return ""
 
     @property

@@ -95,12 +95,9 @@ class PageSelectRunner(MethodRunner):
         m, T = self.method, mem.prompt_len
         first = next(iter(mem.captured.values()))
         Hkv, D = first.k.shape[1:]
-        codec = m.kv_quantization(mem.kv_bits)
-        if codec is not None:
-            try:
-                codec.check_head_size(D)
-            except ValueError as err:  # a request's sekv_kv_bits on a model whose heads the groups do not divide
-                return str(err)
+        codec, reason = m.request_quantization(mem.kv_bits, D)
+        if reason:
+            return reason
         full_row = 2 * Hkv * D * first.k.element_size()
         # A budget that covers the prompt reads every row: nothing to page or select.
         paged = 0 if mem.budget >= T else m.paged_rows(T)
