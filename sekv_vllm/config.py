@@ -53,8 +53,11 @@ class SeKVConfig(BaseModel):
     method: Literal[METHOD_NAMES] = Field(SEKV, description="the KV-cache method of every request that does not "
                                           "choose one (`sekv_method`)")
     method_settings: dict[str, Any] = Field(default_factory=dict, description="the method's own settings (not SeKV's)")
-    budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="prompt rows attended per decode step, as a fraction of the prompt")
-    token_budget: int | None = Field(None, ge=1, description="absolute rows per decode step; overrides budget_ratio")
+    budget_ratio: float = Field(0.25, gt=0.0, le=1.0, description="the share of a request's full-KV bytes it may "
+                                "hold in the fast tier, everything counted (rows, span summaries, scoring codes, "
+                                "learned features), for every method")
+    token_budget: int | None = Field(None, ge=1, description="absolute budget, in full-KV rows' worth of fast-tier "
+                                     "bytes; overrides budget_ratio")
     min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
     # 16, not more: at a 12.5% budget of a 1K prompt (125 rows) a 64-row window left less than one
     # span to zoom (suite, benchmarks/results/suite-zoom).
@@ -156,7 +159,7 @@ class SeKVConfig(BaseModel):
             raise SeKVConfigError("invalid sekv config: " + _describe(err, "sekv.")) from None
 
     def budget_for(self, prompt_len: int, overrides: "RequestOverrides") -> int:
-        """Rows the prompt may occupy per decode step for one request."""
+        """One request's budget: the fast-tier bytes of this many full-KV rows of its prompt."""
         if overrides.sekv_token_budget is not None:
             return overrides.sekv_token_budget
         if overrides.sekv_budget_ratio is not None:

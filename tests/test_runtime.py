@@ -202,3 +202,32 @@ def test_full_host_pool_keeps_the_window_at_full_resolution_and_tries_again_late
     assert rt.window_due("r") is False
     decode_steps(rt, "r", kv, 670, 30, seed=4)  # due again at 96: room now
     assert rt.figures("r")["output_spans"] > 0
+
+
+@pytest.mark.parametrize("policy", ["span_score", "router"])
+def test_the_budget_bounds_every_fast_tier_byte(policy):
+    # a budget is a share of full-KV bytes, everything counted: rows, summaries, scoring codes, router features
+    rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, window_growth=48), LAYERS,
+                     ModelShape(30, H, HKV, D), "SmolLM2-135M-Instruct")
+    centroids = {}
+    for i, ratio in enumerate((0.5, 0.25, 0.125)):
+        r = f"r{i}"
+        rt.admit(r, 2000, {"sekv_budget_ratio": ratio})
+        kv = prefill(rt, r, 2000, seed=i)
+        assert rt.compress(r).status is Status.COMPRESSED
+        fig = rt.figures(r)
+        assert fig["fast_tier_fraction"] <= fig["budget_rows"] / 2000
+        assert fig["fast_tier_fraction"] > 0.9 * ratio  # the budget is spent, not left idle
+        centroids[ratio] = fig["score_centroids"]
+        mem = rt.get(r)
+        features = 0 if policy == "span_score" else sum(f.nbytes for f in mem.key_features.values())
+        held = sum(m.fast_tier_nbytes for m in (rt.pool.load(r, n) for n in LAYERS))
+        row = 2 * HKV * D * 4
+        assert fig["fast_tier_bytes"] == held + features + (fig["base_rows"] - fig["spans"] + fig["zoom_budget_rows"]) * row * 2
+        # the output's spans are held to the request's ratio too
+        decode_steps(rt, r, kv, 2000, 60, seed=i)
+        fig = rt.figures(r)
+        grown = fig["output_span_tokens"] + fig["output_anchor_and_short_tokens"]
+        assert fig["output_spans"] > 0 and fig["output_fast_tier_bytes"] <= ratio * grown * row * 2 + row * 2
+    # a tight budget keeps fewer scoring centroids per span rather than overrun
+    assert centroids[0.5] == 32 and centroids[0.125] < 32

@@ -3,7 +3,7 @@ from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebui
 from sekv_vllm.core.mixed_attention import exact_attention, mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout, segment_prompt, surprisal_threshold
 from sekv_vllm.core.span_memory import LayerSpanMemory, append_spans, attend_memory, compress_layer
-from sekv_vllm.core.span_keys import SpanKeys, concat_span_keys, span_keys
+from sekv_vllm.core.span_keys import SpanKeys, concat_span_keys, scoring_nbytes, span_keys
 from sekv_vllm.core.span_summary import summarize_spans
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "gate_bases",
     "mixed_attention",
     "rebuild_spans",
+    "scoring_nbytes",
     "segment_prompt",
     "singular_values",
     "span_keys",

@@ -8,8 +8,8 @@ into near-equal pieces. The last `window` prompt tokens are never segmented.
 Token 0 of a prompt is always an anchor: it is the attention sink of decoder LLMs, and the method doc
 makes it the anchor of last resort anyway.
 
-When a token budget is given and anchors + short runs + window + one summary row per span
-exceed it, theta is raised (the lowest-surprisal anchors are demoted first, merging their
+When a budget is given and anchors + short runs + window + what each span holds in the fast tier
+(`span_rows`: its summary row and scoring codes, in rows' worth of bytes) exceed it, theta is raised (the lowest-surprisal anchors are demoted first, merging their
 neighbouring runs) until the layout fits or no anchor but token 0 is left.
 """
 from __future__ import annotations
@@ -51,6 +51,10 @@ class SpanLayout:
     def base_rows(self) -> int:
         """Rows attended per decode step with no span zoomed (one summary row per span)."""
         return self.num_fixed + self.num_spans
+
+    def fast_rows(self, span_rows: float) -> float:
+        """Fast-tier rows' worth of bytes with no span zoomed, a span holding `span_rows`."""
+        return self.num_fixed + span_rows * self.num_spans
 
     @property
     def span_tokens(self) -> int:
@@ -109,7 +113,8 @@ def segment_prompt(
     alpha: float,
     l_min: int,
     max_span: int,
-    budget: int | None = None,
+    budget: float | None = None,
+    span_rows: float = 1.0,
     first_anchor: bool = True,
     theta: float | None = None,
 ) -> SpanLayout:
@@ -117,7 +122,8 @@ def segment_prompt(
     its first token is no attention sink, and the prompt's theta).
 
     surprisal: [T] float  per-token surprisal, s_0 = 0
-    budget:    rows the prompt may occupy per decode step (None: no budget fitting)
+    budget:    rows' worth of fast-tier bytes the layout may hold (None: no budget fitting)
+    span_rows: what one span holds in the fast tier, in rows' worth of bytes (its summary row: 1)
     theta:     the anchor threshold (None: mean(s) + alpha * std(s) of this surprisal)
     """
     (T,) = surprisal.shape
@@ -141,20 +147,22 @@ def segment_prompt(
         )
 
     layout = layout_at(theta)
-    if budget is None or layout.base_rows <= budget:
+    if budget is None or layout.fast_rows(span_rows) <= budget:
         return layout
 
-    # base_rows never grows when theta rises (a demoted anchor merges its two neighbouring
+    # The cost barely ever grows when theta rises (a demoted anchor merges its two neighbouring
     # runs), so a binary search over the candidate thresholds finds the lowest that fits.
     candidates = np.unique(region[region > theta])
+    if candidates.size == 0:
+        return layout
     lo, hi = 0, candidates.shape[0] - 1
     best = layout_at(float(candidates[hi]))
-    if best.base_rows > budget:
+    if best.fast_rows(span_rows) > budget:
         return best
     while lo < hi:
         mid = (lo + hi) // 2
         trial = layout_at(float(candidates[mid]))
-        if trial.base_rows <= budget:
+        if trial.fast_rows(span_rows) <= budget:
             hi, best = mid, trial
         else:
             lo = mid + 1

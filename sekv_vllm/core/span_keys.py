@@ -89,6 +89,7 @@ class SpanKeys:
                                 when C = 0), or None when they are kept as `codes`
     log_count:  [S, Hkv, C] float16  log of the tokens each centroid stands for (-inf: none)
     codes:      the centroids at a few bits per element, or None
+    of_summary: the one centroid of each span is its summary key (C = 0: nothing kept beside it)
     """
 
     summary_k: torch.Tensor
@@ -96,6 +97,7 @@ class SpanKeys:
     centroid_k: torch.Tensor | None
     log_count: torch.Tensor
     codes: CentroidCodes | None = None
+    of_summary: bool = False
 
     def centroids(self) -> torch.Tensor:
         """[S, C, Hkv, D] float32, dequantized where kept as codes."""
@@ -106,7 +108,7 @@ class SpanKeys:
         """No centroids: each span scored through its summary key standing for |S| tokens."""
         S, Hkv, _ = summary_k.shape
         log_len = torch.log(span_len.float()).half()[:, None, None].expand(S, Hkv, 1).contiguous()
-        return cls(summary_k, span_len, summary_k[:, None], log_len)
+        return cls(summary_k, span_len, summary_k[:, None], log_len, of_summary=True)
 
     @property
     def num_spans(self) -> int:
@@ -115,7 +117,10 @@ class SpanKeys:
     @property
     def centroid_nbytes(self) -> int:
         """Fast-tier bytes of the scoring centroids (the summary rows are counted with the summaries)."""
-        stored = self.codes.nbytes if self.codes is not None else self.centroid_k.numel() * self.centroid_k.element_size()
+        if self.codes is not None:
+            stored = self.codes.nbytes
+        else:
+            stored = 0 if self.of_summary else self.centroid_k.numel() * self.centroid_k.element_size()
         return stored + self.log_count.numel() * self.log_count.element_size()
 
     def score(self, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -162,15 +167,26 @@ def append_span_keys(first: SpanKeys, more: SpanKeys) -> SpanKeys:
     """The spans of `first`, then those of `more`, kept as they are (same centroid count and
     storage: both float16 or both codes of the same bits)."""
     a, b = first.codes, more.codes
-    if first.log_count.shape[2] != more.log_count.shape[2] or (a is None) != (b is None) or (a is not None and a.bits != b.bits):
+    if (first.log_count.shape[2] != more.log_count.shape[2] or (a is None) != (b is None)
+            or (a is not None and a.bits != b.bits) or first.of_summary != more.of_summary):
         raise ValueError("append_span_keys: both must keep the same number of centroids the same way")
     codes = None if a is None else CentroidCodes(
         torch.cat([a.codes, b.codes]), torch.cat([a.lo, b.lo]), torch.cat([a.step, b.step]), a.bits)
     return SpanKeys(
         torch.cat([first.summary_k, more.summary_k]), torch.cat([first.span_len, more.span_len]),
         None if codes is not None else torch.cat([first.centroid_k, more.centroid_k]),
-        torch.cat([first.log_count, more.log_count]), codes,
+        torch.cat([first.log_count, more.log_count]), codes, first.of_summary,
     )
+
+
+def scoring_nbytes(num_centroids: int, bits: int, num_kv_heads: int, head_dim: int) -> int:
+    """Fast-tier bytes of one span's scoring centroids and counts (`SpanKeys.centroid_nbytes` per span)."""
+    Hkv, D, C = num_kv_heads, head_dim, num_centroids
+    if C == 0:
+        return Hkv * 2
+    if bits == 16:
+        return C * Hkv * D * 2 + Hkv * C * 2
+    return Hkv * (D // (8 // bits)) * C + 2 * Hkv * D * 2 + Hkv * C * 2
 
 
 def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,

@@ -94,6 +94,10 @@ class ZoomPolicy(ABC):
         and layer, kept in the fast tier), or None when the score has none."""
         return None
 
+    def span_feature_nbytes(self, layer: int) -> int:
+        """Fast-tier bytes of one span's `key_features` in `layer` (0: none), known before any span is made."""
+        return 0
+
     def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
         """The query side of `span_scores` for the C++ kernel: q [B, H, D]. Must score exactly as
         `span_scores` does (tests compare the two paths)."""

@@ -34,6 +34,9 @@ class RouterPolicy(ZoomPolicy):
     def key_features(self, layer: int, keys: SpanKeys) -> torch.Tensor:
         return self.router.projected_keys(layer, keys).half().contiguous()
 
+    def span_feature_nbytes(self, layer: int) -> int:
+        return self.router.shape.num_heads * self.router.d_r * 2  # [H, d_r] float16
+
     @torch.no_grad()
     def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
         r = self.router

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
+from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout
 from sekv_vllm.methods import SEKV
 from sekv_vllm.policies import ZoomPolicy
 from sekv_vllm.pool import HostPool
@@ -22,19 +22,6 @@ from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal
 
 logger = logging.getLogger("sekv_vllm")
-
-
-def plan_layout(surprisal: torch.Tensor, budget: int, config: SeKVConfig) -> tuple[SpanLayout, int]:
-    """The prompt's layout under a budget of rows per decode step, and the rows left for zoomed spans.
-
-    surprisal: [T] float. The layout gets (1 - zoom_share) of the budget; anchors are demoted
-    until it fits (or only token 0 is left).
-    """
-    layout = segment_prompt(
-        surprisal, window=config.window, alpha=config.alpha, l_min=config.l_min,
-        max_span=config.max_span, budget=int(budget * (1 - config.zoom_share)),
-    )
-    return layout, max(budget - layout.base_rows, 0)
 
 
 class SpanCompression:
@@ -51,7 +38,7 @@ class SpanCompression:
         """Every layer's stretch rows (k, v [n, Hkv, D]) under one layout: the same spans in every layer."""
         cfg = self.config
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
-                                     0 if mem.zoom_all else cfg.score_centroids, cfg.score_bits,
+                                     0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
                                      None if mem.zoom_all else functools.partial(self.policy.key_gates, i),
                                      store_rows=store_rows)
                 for i, (name, (k, v)) in enumerate(rows.items())}
@@ -71,13 +58,20 @@ class SpanCompression:
         for name, (k, v) in rows.items():
             mem.rows[name] = PagedRows.of_rows(k[keep], v[keep], self.block, spare=spare)
 
+    def costs(self, k: torch.Tensor) -> SpanCosts:
+        """What SeKV's parts cost per layer for rows like k [n, Hkv, D] (the KV dtype)."""
+        _, Hkv, D = k.shape
+        features = sum(self.policy.span_feature_nbytes(i) for i in range(len(self.layer_names)))
+        return SpanCosts(2 * Hkv * D * k.element_size(), Hkv, D, features / len(self.layer_names))
+
     def compress_prompt(self, mem: RequestMemory) -> str:
         """Compress a prefilled prompt from its captured rows; "" when done, else why it keeps full KV."""
         cfg, T = self.config, mem.prompt_len
-        layout, zoom_budget = plan_layout(mem.surprisal[:T], mem.budget, cfg)
+        plan = plan_layout(mem.surprisal[:T], mem.budget, cfg, self.costs(mem.captured[self.layer_names[0]].view()[0]))
+        layout, zoom_budget = plan.layout, plan.zoom_budget
         if layout.num_spans == 0:
             return "no span of at least l_min tokens outside the window"
-        mem.zoom_all = zoom_budget >= layout.span_tokens - layout.num_spans
+        mem.zoom_all, mem.score_centroids, mem.span_rows = plan.zoom_all, plan.centroids, plan.span_rows
         captured = {name: mem.captured[name].view() for name in self.layer_names}
         memories = self._compress_layers(mem, {n: (k[:T], v[:T]) for n, (k, v) in captured.items()}, layout,
                                          mem.surprisal[:T], None)
@@ -96,31 +90,33 @@ class SpanCompression:
         mem.layout, mem.zoom_budget = layout, zoom_budget
         mem.window_row, mem.window_pos = int(layout.fixed_pos.numel()), layout.window_start
         mem.status = Status.COMPRESSED
-        mem.figures = self._prompt_figures(mem, layout, memories, features_bytes)
-        if layout.base_rows > mem.budget:
-            logger.warning("sekv: request %s: anchors + window + summaries need %d rows, budget is %d; serving it "
-                           "at the smallest layout", mem.req_id, layout.base_rows, mem.budget)
+        mem.figures = self._prompt_figures(mem, plan, memories, features_bytes)
+        if plan.fast_rows > mem.budget:
+            logger.warning("sekv: request %s: anchors, window and span summaries need %.0f rows' worth of bytes, "
+                           "the budget is %d; serving it at the smallest layout (no scoring centroids)",
+                           mem.req_id, plan.fast_rows, mem.budget)
         logger.info("sekv: compressed %s: %d prompt tokens -> %d spans (%d tokens), %d anchor/short, %d window; "
                     "fast tier %.1f%% of full KV; host pool %d bytes", mem.req_id, T, layout.num_spans,
                     layout.span_tokens, layout.fixed_pos.numel(), mem.figures["window_tokens"],
                     100 * mem.figures["fast_tier_fraction"], mem.figures["host_pool_bytes"])
         return ""
 
-    def _prompt_figures(self, mem: RequestMemory, layout: SpanLayout, memories: dict[str, LayerSpanMemory],
+    def _prompt_figures(self, mem: RequestMemory, plan: SpanPlan, memories: dict[str, LayerSpanMemory],
                         features_bytes: int) -> dict:
-        L, row = len(self.layer_names), mem.rows[self.layer_names[0]].row_bytes
+        L, row, layout = len(self.layer_names), mem.rows[self.layer_names[0]].row_bytes, plan.layout
         figures = {
             "req_id": mem.req_id,
             "method": SEKV,
             "prompt_tokens": mem.prompt_len,
             "budget_rows": mem.budget,
+            "score_centroids": plan.centroids,
             "spans": layout.num_spans,
             "span_tokens": layout.span_tokens,
             "anchor_and_short_tokens": int(layout.fixed_pos.numel()),
             "window_tokens": mem.prompt_len - layout.window_start,
             "base_rows": layout.base_rows,
             "zoom_budget_rows": mem.zoom_budget,
-            "budget_exceeded_by_base": max(layout.base_rows - mem.budget, 0),
+            "budget_exceeded_by_base": max(round(layout.fast_rows(plan.span_rows)) - mem.budget, 0),
             "full_kv_bytes": mem.prompt_len * row * L,
             # what the method needs in the fast tier: fixed rows + summaries, scoring centroids and
             # the policy's key features + zoom scratch
@@ -152,9 +148,12 @@ class SpanCompression:
         reserve_surprisal(mem, stop)
         surprisal = mem.surprisal[start:stop]
         # The prompt's threshold: a stretch of repetitive output would make anchors of its few
-        # less predictable tokens by its own statistics.
+        # less predictable tokens by its own statistics. Its budget: the request's ratio of its rows,
+        # split as the prompt's.
+        share = n * mem.budget / mem.prompt_len
         layout = segment_prompt(surprisal, window=0, alpha=cfg.alpha, l_min=cfg.l_min, max_span=cfg.max_span,
-                                first_anchor=False, theta=surprisal_threshold(mem.surprisal[: mem.prompt_len], cfg.alpha))
+                                budget=share * (1 - cfg.zoom_share), span_rows=mem.span_rows, first_anchor=False,
+                                theta=surprisal_threshold(mem.surprisal[: mem.prompt_len], cfg.alpha))
         if layout.num_spans == 0:
             mem.window_row, mem.window_pos = r0 + n, stop
             return None
@@ -175,9 +174,9 @@ class SpanCompression:
         keep = torch.cat([torch.arange(r0), r0 + layout.fixed_pos, torch.arange(r0 + n, mem.rows[self.layer_names[0]].length)])
         self._keep_rows(mem, rows, keep, spare=cfg.window_growth + 1)
         # The budget grows with the compressed text at the request's ratio; what its new anchors and
-        # summaries do not take goes to zoomed spans.
+        # spans do not take goes to zoomed spans.
         num_fixed = int(layout.fixed_pos.numel())
-        zoom_rows = max(math.ceil(n * mem.budget / mem.prompt_len) - num_fixed - layout.num_spans, 0)
+        zoom_rows = max(int(share - layout.fast_rows(mem.span_rows)), 0)
         mem.zoom_budget += zoom_rows
         mem.window_row, mem.window_pos = r0 + num_fixed, stop
         mem.output_spans += layout.num_spans

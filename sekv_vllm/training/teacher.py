@@ -16,7 +16,7 @@ import torch
 from sekv_vllm.config import RequestOverrides
 from sekv_vllm.core import SpanLayout
 from sekv_vllm.core.span_summary import span_token_index
-from sekv_vllm.runtime import plan_layout
+from sekv_vllm.runtime import SpanCosts, plan_layout
 from sekv_vllm.training.config import TrainConfig
 from sekv_vllm.training.data import TrainingText
 from sekv_vllm.training.frozen_lm import FrozenLM
@@ -99,7 +99,10 @@ def teacher_pass(lm: FrozenLM, text: TrainingText, config: TrainConfig) -> Teach
     q = torch.stack([lm.rope(lm.heads(pre[(i, "q_proj")][cand], H), cand) for i in range(L)])  # [L, C, H, D]
 
     budget = config.sekv.budget_for(T0, RequestOverrides(sekv_budget_ratio=text.budget_ratio))
-    layout, zoom_budget = plan_layout(surprisal, budget, config.sekv)
+    # what the served plan holds: float32 rows (vLLM's CPU cache) and the router's span features
+    costs = SpanCosts(2 * Hkv * D * 4, Hkv, D, H * config.d_r * 2)
+    plan = plan_layout(surprisal, budget, config.sekv, costs)
+    layout, zoom_budget = plan.layout, plan.zoom_budget
     S = layout.num_spans
     where = span_index(layout, T)
     window = config.sekv.window

@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from sekv_vllm.core import SpanKeys, segment_prompt, span_keys, summarize_spans
+from sekv_vllm.core import SpanKeys, scoring_nbytes, segment_prompt, span_keys, summarize_spans
 
 H, HKV, D = 4, 2, 16
 SCALE = 1 / math.sqrt(D)
@@ -115,3 +115,12 @@ def test_unsupported_bits_are_refused_naming_the_field():
     summary = summarize_spans(k, s, layout.span_start, layout.span_len)
     with pytest.raises(ValueError, match="score_bits"):
         span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=4, bits=3)
+
+
+@pytest.mark.parametrize("centroids,bits", [(0, 2), (0, 16), (4, 16), (8, 2), (32, 2), (32, 4), (32, 8), (32, 16)])
+def test_scoring_bytes_are_known_before_the_spans_are_made(centroids, bits):
+    # the budget plan counts a span's scoring bytes before compressing: they must be what it then holds
+    k, s, layout, _ = prompt(400, 4)
+    summary = summarize_spans(k, s, layout.span_start, layout.span_len)
+    keys = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=centroids, bits=bits)
+    assert keys.centroid_nbytes == layout.num_spans * scoring_nbytes(centroids, bits, HKV, D)

@@ -100,8 +100,8 @@ def test_needle_in_2k_haystack_found_at_quarter_budget(compressed_run):
     found = []
     for sample, out, fig in zip(needles, result["outputs"], result["figures"]):
         assert fig is not None and fig["budget_rows"] <= 0.25 * fig["prompt_tokens"] + 1
-        # 0.25 of the rows + every span key at 2 bits (padded to max_span per span) + router features
-        assert fig["fast_tier_fraction"] < 0.38
+        # a budget bounds every fast-tier byte: rows, summaries, every span key at 2 bits, router features
+        assert 0.2 < fig["fast_tier_fraction"] <= fig["budget_rows"] / fig["prompt_tokens"]
         found.append(score(sample.answers, out["text"]))
     # Measured: the default policy (the shipped router) finds all 3, the untrained score 1 to 2;
     # this guards that level. benchmarks/ has the full picture.

@@ -38,16 +38,17 @@ def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, **cfg) -> SeKVR
 
 
 CASES = {
-    "router, 4 centroids, rows": dict(budget_ratio=0.125),
-    "span_score, 4 centroids": dict(budget_ratio=0.125, zoom_policy="span_score"),
+    "router, 4 centroids, rows": dict(budget_ratio=0.25, score_centroids=4),
+    "span_score, 4 centroids": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=4),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
-    "router, low-rank factors": dict(budget_ratio=0.3, r_max=8, max_span=16),
-    "span_score, every key at 2 bits": dict(budget_ratio=0.125, zoom_policy="span_score", score_centroids=32,
+    # short spans: the budget holds fewer centroids per span, a different count for each request
+    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.3, r_max=8, max_span=16),
+    "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
-    "router, 4 centroids at 4 bits": dict(budget_ratio=0.125, score_bits=4),
+    "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
     # head_dim 32 and 4 query heads per KV head: the kernel's scalar paths (its vector paths take 64 and 128)
     "span_score, every key at 2 bits, head_dim 32": dict(
-        budget_ratio=0.125, zoom_policy="span_score", score_centroids=32, score_bits=2,
+        budget_ratio=0.25, zoom_policy="span_score", score_centroids=32, score_bits=2,
         shape=ModelShape(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32)),
 }
 
@@ -58,6 +59,9 @@ def test_kernel_matches_the_torch_path(case):
     # c's budget covers every span: it is attended exactly, beside requests that choose
     prompts = {"a": 900, "b": 1300, "c": 200}
     rt = _runtime(prompts, **CASES[case])
+    # each case decodes the scoring codes it names (the budget holds them)
+    kept = [rt.requests[r].score_centroids for r in ("a", "b")]
+    assert kept == [rt.config.score_centroids] * 2 if "score_centroids" in CASES[case] else 0 < kept[0] < kept[1] < 32
     rt.requests["c"].zoom_all = True
     rt.sekv.spans.clear()
     shape = CASES[case].get("shape", SHAPE)
@@ -81,7 +85,7 @@ def test_kernel_matches_the_torch_path(case):
 
 def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     kernel = kernel_or_skip()
-    rt = _runtime({"a": 800}, budget_ratio=0.125)
+    rt = _runtime({"a": 800}, budget_ratio=0.25)
     no_spans = {name: [] for name in ("summary_k", "summary_v", "span_len", "centroid_k", "log_count", "centroid_lo",
                                       "centroid_step", "key_features", "coef_k", "basis_k", "coef_v", "basis_v",
                                       "row_offset")}

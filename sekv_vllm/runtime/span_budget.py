@@ -1,0 +1,92 @@
+"""How SeKV spends a request's fast-tier budget (torch only).
+
+A budget means the same for every method: a share of the request's full-KV bytes that it may hold in
+the fast tier. The runtime passes it as rows' worth of those bytes (one row: K and V of every KV head
+of one position in one layer, in the KV dtype). Per layer SeKV holds: the rows kept at full resolution
+(anchors, short runs, the window); for every span its summary row (K and V), its scoring centroids
+(`score_centroids` at `score_bits`) and the zoom policy's span features; and, at each decode step,
+the rows of the spans it zooms. The layout (anchors and spans) gets (1 - zoom_share) of the budget,
+with anchors demoted until it fits; when it still does not fit, each span keeps fewer scoring
+centroids (halved down to none: the summary key alone). Zoomed spans get what is left.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from sekv_vllm.config import SeKVConfig
+from sekv_vllm.core import SpanLayout, scoring_nbytes, segment_prompt
+
+
+@dataclass(frozen=True)
+class SpanCosts:
+    """What SeKV's parts cost in one layer of one request.
+
+    row_bytes:     one full-KV row (K and V of every KV head, KV dtype)
+    num_kv_heads, head_dim: the model's
+    feature_bytes: the zoom policy's features of one span, averaged over layers (0: it keeps none)
+    """
+
+    row_bytes: int
+    num_kv_heads: int
+    head_dim: int
+    feature_bytes: float = 0.0
+
+    def span_rows(self, centroids: int, bits: int) -> float:
+        """What one span holds in the fast tier (summary row, centroids, features), in rows' worth of bytes."""
+        codes = scoring_nbytes(centroids, bits, self.num_kv_heads, self.head_dim)
+        return 1.0 + (codes + self.feature_bytes) / self.row_bytes
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """A request's layout and how its budget is spent.
+
+    zoom_budget: rows of zoomed spans attended per step
+    centroids:   scoring centroids kept per span (0: the summary key alone)
+    zoom_all:    the budget holds every span at full resolution: all are rebuilt at every step, no
+                 scoring codes or features are kept
+    span_rows:   what one span holds in the fast tier, in rows' worth of bytes
+    """
+
+    layout: SpanLayout
+    zoom_budget: int
+    centroids: int
+    zoom_all: bool
+    span_rows: float
+
+    @property
+    def fast_rows(self) -> float:
+        """Rows' worth of fast-tier bytes the plan holds per layer, zoom rows included."""
+        return self.layout.fast_rows(self.span_rows) + self.zoom_budget
+
+
+def centroid_ladder(centroids: int) -> list[int]:
+    """The centroid counts tried, most first: `centroids`, halved down to 1, then 0."""
+    ladder = [centroids]
+    while ladder[-1] > 0:
+        ladder.append(ladder[-1] // 2)
+    return ladder
+
+
+def plan_layout(surprisal: torch.Tensor, budget: float, config: SeKVConfig, costs: SpanCosts) -> SpanPlan:
+    """The prompt's plan under a budget of `budget` rows' worth of fast-tier bytes per layer.
+
+    surprisal: [T] float. Where even the fewest anchors and no centroids exceed the layout's share,
+    the plan is the smallest layout (its `fast_rows` then exceed the budget: the caller says so).
+    """
+    segment = functools.partial(segment_prompt, surprisal, window=config.window, alpha=config.alpha,
+                                l_min=config.l_min, max_span=config.max_span)
+    share = budget * (1 - config.zoom_share)
+    layout = segment(budget=share)
+    left = budget - layout.fast_rows(1.0)
+    if layout.num_spans and left >= layout.span_tokens - layout.num_spans:
+        return SpanPlan(layout, int(left), 0, True, 1.0)
+    for centroids in centroid_ladder(config.score_centroids):
+        span_rows = costs.span_rows(centroids, config.score_bits)
+        layout = segment(budget=share, span_rows=span_rows)
+        if layout.fast_rows(span_rows) <= share:
+            break
+    return SpanPlan(layout, max(int(budget - layout.fast_rows(span_rows)), 0), centroids, False, span_rows)
