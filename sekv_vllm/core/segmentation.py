@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -68,42 +67,34 @@ def surprisal_threshold(surprisal: torch.Tensor, alpha: float) -> float:
 
 
 def _split(
-    region: np.ndarray, theta: float, l_min: int, max_span: int, first_anchor: bool = True
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    region: torch.Tensor, theta: float, l_min: int, max_span: int, first_anchor: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split positions [0, len(region)) at anchors (region > theta, plus position 0 if first_anchor).
 
-    Returns (fixed_pos, span_start, span_len) as int64 arrays.
+    region: [n] float. Returns (fixed_pos, span_start, span_len) as int64 tensors on region's device.
     """
-    n = region.shape[0]
+    n, dev = region.shape[0], region.device
     is_anchor = region > theta
-    is_anchor[0] |= first_anchor
-    anchors = np.flatnonzero(is_anchor)
+    if first_anchor:
+        is_anchor[0] = True
+    anchors = torch.nonzero(is_anchor).squeeze(1)
     # Runs of non-anchors: from the region start or an anchor + 1 to the next anchor (or the end).
-    run_start = np.append(0, anchors + 1)
-    run_end = np.append(anchors, n)
-    run_len = run_end - run_start
+    run_start = torch.cat([anchors.new_zeros(1), anchors + 1])
+    run_len = torch.cat([anchors, anchors.new_full((1,), n)]) - run_start
     short = (run_len > 0) & (run_len < l_min)
+    # a non-anchor position's run is the number of anchors before it
+    run_of = torch.cumsum(is_anchor, 0)
+    fixed_pos = torch.nonzero(is_anchor | short[run_of]).squeeze(1)
+
     long_ = run_len >= l_min
-
-    fixed = [anchors]
-    for a, b in zip(run_start[short], run_end[short]):
-        fixed.append(np.arange(a, b))
-    fixed_pos = np.sort(np.concatenate(fixed)).astype(np.int64)
-
-    starts, lens = [], []
-    for a, ln in zip(run_start[long_], run_len[long_]):
-        pieces = -(-ln // max_span)
-        # Near-equal pieces: each is >= max_span // 2 >= l_min (config guarantees it).
-        bounds = a + (np.arange(pieces + 1) * ln) // pieces
-        starts.append(bounds[:-1])
-        lens.append(np.diff(bounds))
-    if starts:
-        span_start = np.concatenate(starts).astype(np.int64)
-        span_len = np.concatenate(lens).astype(np.int64)
-    else:
-        span_start = np.zeros(0, np.int64)
-        span_len = np.zeros(0, np.int64)
-    return fixed_pos, span_start, span_len
+    start, length = run_start[long_], run_len[long_]
+    # Near-equal pieces: each is >= max_span // 2 >= l_min (config guarantees it).
+    pieces = -(-length // max_span)
+    run = torch.repeat_interleave(torch.arange(pieces.numel(), device=dev), pieces)
+    j = torch.arange(run.numel(), device=dev) - torch.repeat_interleave(torch.cumsum(pieces, 0) - pieces, pieces)
+    lo = start[run] + (j * length[run]) // pieces[run]
+    hi = start[run] + ((j + 1) * length[run]) // pieces[run]
+    return fixed_pos, lo, hi - lo
 
 
 def segment_prompt(
@@ -132,19 +123,12 @@ def segment_prompt(
         empty = torch.zeros(0, dtype=torch.int64, device=surprisal.device)
         return SpanLayout(empty, empty, empty.clone(), 0, T)
 
-    region = surprisal[:window_start].double().cpu().numpy()
+    region = surprisal[:window_start].double()
     if theta is None:
         theta = surprisal_threshold(surprisal, alpha)
 
     def layout_at(th: float) -> SpanLayout:
-        fixed_pos, span_start, span_len = _split(region.copy(), th, l_min, max_span, first_anchor)
-        return SpanLayout(
-            torch.from_numpy(fixed_pos),
-            torch.from_numpy(span_start),
-            torch.from_numpy(span_len),
-            window_start,
-            T,
-        )
+        return SpanLayout(*_split(region, th, l_min, max_span, first_anchor), window_start, T)
 
     layout = layout_at(theta)
     if budget is None or layout.fast_rows(span_rows) <= budget:
@@ -152,16 +136,16 @@ def segment_prompt(
 
     # The cost barely ever grows when theta rises (a demoted anchor merges its two neighbouring
     # runs), so a binary search over the candidate thresholds finds the lowest that fits.
-    candidates = np.unique(region[region > theta])
-    if candidates.size == 0:
+    candidates = torch.unique(region[region > theta]).tolist()  # ascending
+    if not candidates:
         return layout
-    lo, hi = 0, candidates.shape[0] - 1
-    best = layout_at(float(candidates[hi]))
+    lo, hi = 0, len(candidates) - 1
+    best = layout_at(candidates[hi])
     if best.fast_rows(span_rows) > budget:
         return best
     while lo < hi:
         mid = (lo + hi) // 2
-        trial = layout_at(float(candidates[mid]))
+        trial = layout_at(candidates[mid])
         if trial.fast_rows(span_rows) <= budget:
             hi, best = mid, trial
         else:

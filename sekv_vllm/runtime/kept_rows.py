@@ -16,6 +16,7 @@ import torch
 from sekv_vllm.core import exact_attention
 from sekv_vllm.methods import PromptRows, RowKeepingMethod, gather_kept
 from sekv_vllm.methods.kv_quantization import KVQuantization
+from sekv_vllm.runtime.figures import CompressionFigures
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows, RowPages
 from sekv_vllm.runtime.quantized_rows import QuantizedRows
@@ -67,20 +68,10 @@ def compress_kept_rows(method: RowKeepingMethod, mem: RequestMemory, codec: KVQu
     mem.captured, mem.queries, mem.prompt_attention = {}, {}, {}
     mem.status = Status.COMPRESSED
     L = len(mem.rows)
-    mem.figures = {
-        "req_id": mem.req_id,
-        "method": mem.method,
-        "kv_bits": codec.bits if codec else 16,
-        "evicts_while_decoding": evicts,
-        "prompt_tokens": mem.prompt_len,
-        "budget_rows": mem.budget,
-        "kept_prompt_rows": n_keep,
-        "spans": 0,
-        "full_kv_bytes": mem.prompt_len * full_row * L,
-        "fast_tier_bytes": n_keep * row * L,
-        "host_pool_bytes": 0,
-    }
-    mem.figures["fast_tier_fraction"] = mem.figures["fast_tier_bytes"] / mem.figures["full_kv_bytes"]
+    mem.figures = CompressionFigures(
+        mem.req_id, mem.method, mem.prompt_len, mem.budget, full_kv_bytes=mem.prompt_len * full_row * L,
+        fast_tier_bytes=n_keep * row * L, host_pool_bytes=0,
+        own={"kv_bits": codec.bits if codec else 16, "evicts_while_decoding": evicts, "kept_prompt_rows": n_keep})
     logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d kept rows per KV head%s%s", mem.req_id,
                 mem.method, mem.prompt_len, n_keep, f" at {codec.bits} bits" if codec else "",
                 ", evicted while decoding" if evicts else "")

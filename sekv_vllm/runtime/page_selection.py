@@ -20,6 +20,7 @@ from sekv_vllm.core import exact_attention
 from sekv_vllm.methods.kv_quantization import KVQuantization
 from sekv_vllm.methods.quest import Quest, box_scores, page_bounds, page_box, read_host_pages, to_host_pages, top_pages
 from sekv_vllm.pool import HostPool
+from sekv_vllm.runtime.figures import CompressionFigures
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.paged_rows import PagedRows, RowPages
 from sekv_vllm.runtime.quantized_rows import QuantizedRows
@@ -119,7 +120,7 @@ class PageSelectRunner(MethodRunner):
         mem.figures = self._figures(mem, st)
         logger.info("sekv: compressed %s with %s: %d prompt tokens -> %d host pages of %d rows, %d read per step; "
                     "fast tier %.1f%% of full KV", mem.req_id, m.name, T, paged // m.page_size, m.page_size,
-                    st.pages_per_step, 100 * mem.figures["fast_tier_fraction"])
+                    st.pages_per_step, 100 * mem.figures.fast_tier_fraction)
         return ""
 
     def _pages_read(self, st: SelectedPages) -> int:
@@ -151,28 +152,16 @@ class PageSelectRunner(MethodRunner):
         st.paged += n
         return True
 
-    def _figures(self, mem: RequestMemory, st: SelectedPages) -> dict:
+    def _figures(self, mem: RequestMemory, st: SelectedPages) -> CompressionFigures:
         L = len(self.layer_names)
         pages = st.paged // self.method.page_size
         # the fast tier: bounds (one row per page, at the KV dtype), the window and the pages read per step
         fast_row_bytes = pages * st.full_row + (st.window_rows + st.pages_per_step * self.method.page_size) * st.row
-        figures = {
-            "req_id": mem.req_id,
-            "method": mem.method,
-            "prompt_tokens": mem.prompt_len,
-            "budget_rows": mem.budget,
-            "spans": 0,
-            "host_pages": pages,
-            "page_size": self.method.page_size,
-            "pages_per_step": st.pages_per_step,
-            "window_tokens": st.window_rows,
-            "kv_bits": st.codec.bits if st.codec else 16,
-            "full_kv_bytes": mem.prompt_len * st.full_row * L,
-            "fast_tier_bytes": fast_row_bytes * L,
-            "host_pool_bytes": self.pool.owner_bytes(mem.req_id),
-        }
-        figures["fast_tier_fraction"] = figures["fast_tier_bytes"] / figures["full_kv_bytes"]
-        return figures
+        return CompressionFigures(
+            mem.req_id, mem.method, mem.prompt_len, mem.budget, full_kv_bytes=mem.prompt_len * st.full_row * L,
+            fast_tier_bytes=fast_row_bytes * L, host_pool_bytes=self.pool.owner_bytes(mem.req_id),
+            own={"host_pages": pages, "page_size": self.method.page_size, "pages_per_step": st.pages_per_step,
+                 "window_tokens": st.window_rows, "kv_bits": st.codec.bits if st.codec else 16})
 
     def attend(self, mems: list[RequestMemory], layer_name: str, q: torch.Tensor, scale: float,
                new_k: torch.Tensor | None, new_v: torch.Tensor | None) -> torch.Tensor:

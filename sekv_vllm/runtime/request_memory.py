@@ -8,6 +8,7 @@ the same way (`spanify_window`) -> released when it finishes or aborts (kept whi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import deque
@@ -21,6 +22,7 @@ from sekv_vllm.methods.h2o import accumulate_attention
 from sekv_vllm.methods.kv_quantization import KVQuantSettings
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
+from sekv_vllm.runtime.figures import EnginePages
 from sekv_vllm.runtime.kept_rows import KeptRowsRunner
 from sekv_vllm.runtime.method_runner import MethodRunner
 from sekv_vllm.runtime.page_selection import PageSelectRunner
@@ -262,7 +264,12 @@ class SeKVRuntime:
     def figures(self, req_id: str) -> dict:
         """Figures of a compressed request so far (empty if it is not compressed)."""
         mem = self.requests[req_id]
-        return running_figures(mem, len(self.layer_names), self.pool.owner_bytes(req_id)) if mem.figures else {}
+        return running_figures(mem, len(self.layer_names), self.pool.owner_bytes(req_id)) if mem.figures is not None else {}
+
+    def record_engine_pages(self, req_id: str, pages: EnginePages) -> None:
+        """The engine's pages of a compressed request (held and handed back), for its figures."""
+        mem = self.requests[req_id]
+        mem.figures = dataclasses.replace(mem.figures, pages=pages)
 
     def suspend(self, req_id: str) -> None:
         """A compressed request was preempted: keep its state (host pool, rows) for the recompute

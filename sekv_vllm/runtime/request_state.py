@@ -8,6 +8,7 @@ import torch
 
 from sekv_vllm.core import SpanLayout
 from sekv_vllm.methods import SEKV
+from sekv_vllm.runtime.figures import CompressionFigures
 from sekv_vllm.runtime.paged_rows import RowPages
 from sekv_vllm.runtime.row_buffer import RowBuffer
 
@@ -65,7 +66,7 @@ class RequestMemory:
     suspended: bool = False
     decode_calls: int = 0
     zoomed_spans_total: int = 0
-    figures: dict = field(default_factory=dict)
+    figures: CompressionFigures | None = None
     # COMPRESSED: the state a method other than SeKV keeps for the request (e.g. quest's `SelectedPages`).
     method_state: object | None = None
 
@@ -96,7 +97,7 @@ def running_figures(mem: RequestMemory, num_layers: int, host_pool_bytes_now: in
     """A compressed request's figures at compression (`mem.figures`) and since: decode, output spanified."""
     first = next(iter(mem.rows.values()))
     return dict(
-        mem.figures,
+        mem.figures.as_dict(),
         decode_steps=mem.decode_calls // max(num_layers, 1),
         mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
         output_spans=mem.output_spans,

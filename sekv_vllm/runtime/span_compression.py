@@ -18,6 +18,7 @@ from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout
 from sekv_vllm.methods import SEKV
 from sekv_vllm.policies import ZoomPolicy
 from sekv_vllm.pool import HostPool
+from sekv_vllm.runtime.figures import CompressionFigures
 from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory, SpanifiedRows, Status, reserve_surprisal
 
@@ -97,35 +98,24 @@ class SpanCompression:
                            mem.req_id, plan.fast_rows, mem.budget)
         logger.info("sekv: compressed %s: %d prompt tokens -> %d spans (%d tokens), %d anchor/short, %d window; "
                     "fast tier %.1f%% of full KV; host pool %d bytes", mem.req_id, T, layout.num_spans,
-                    layout.span_tokens, layout.fixed_pos.numel(), mem.figures["window_tokens"],
-                    100 * mem.figures["fast_tier_fraction"], mem.figures["host_pool_bytes"])
+                    layout.span_tokens, layout.fixed_pos.numel(), T - layout.window_start,
+                    100 * mem.figures.fast_tier_fraction, mem.figures.host_pool_bytes)
         return ""
 
     def _prompt_figures(self, mem: RequestMemory, plan: SpanPlan, memories: dict[str, LayerSpanMemory],
-                        features_bytes: int) -> dict:
+                        features_bytes: int) -> CompressionFigures:
         L, row, layout = len(self.layer_names), mem.rows[self.layer_names[0]].row_bytes, plan.layout
-        figures = {
-            "req_id": mem.req_id,
-            "method": SEKV,
-            "prompt_tokens": mem.prompt_len,
-            "budget_rows": mem.budget,
-            "score_centroids": plan.centroids,
-            "spans": layout.num_spans,
-            "span_tokens": layout.span_tokens,
-            "anchor_and_short_tokens": int(layout.fixed_pos.numel()),
-            "window_tokens": mem.prompt_len - layout.window_start,
-            "base_rows": layout.base_rows,
-            "zoom_budget_rows": mem.zoom_budget,
-            "budget_exceeded_by_base": max(round(layout.fast_rows(plan.span_rows)) - mem.budget, 0),
-            "full_kv_bytes": mem.prompt_len * row * L,
-            # what the method needs in the fast tier: fixed rows + summaries, scoring centroids and
-            # the policy's key features + zoom scratch
-            "fast_tier_bytes": (layout.num_fixed * row * L + sum(m.fast_tier_nbytes for m in memories.values())
-                                + features_bytes + mem.zoom_budget * row * L),
-            "host_pool_bytes": self.pool.owner_bytes(mem.req_id),
-        }
-        figures["fast_tier_fraction"] = figures["fast_tier_bytes"] / figures["full_kv_bytes"]
-        return figures
+        # the fast tier: fixed rows, summaries and scoring codes, the policy's span features, zoom rows
+        fast = (layout.num_fixed * row * L + sum(m.fast_tier_nbytes for m in memories.values()) + features_bytes
+                + mem.zoom_budget * row * L)
+        return CompressionFigures(
+            mem.req_id, SEKV, mem.prompt_len, mem.budget, full_kv_bytes=mem.prompt_len * row * L,
+            fast_tier_bytes=fast, host_pool_bytes=self.pool.owner_bytes(mem.req_id), spans=layout.num_spans,
+            own={"score_centroids": plan.centroids, "span_tokens": layout.span_tokens,
+                 "anchor_and_short_tokens": int(layout.fixed_pos.numel()),
+                 "window_tokens": mem.prompt_len - layout.window_start, "base_rows": layout.base_rows,
+                 "zoom_budget_rows": mem.zoom_budget,
+                 "budget_exceeded_by_base": max(round(layout.fast_rows(plan.span_rows)) - mem.budget, 0)})
 
     def window_due(self, mem: RequestMemory | None) -> bool:
         """Whether a compressed request's window holds `window` + `window_growth` rows or more."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from sekv_vllm.integration.vllm.version import PageRange, kv_pages
-from sekv_vllm.runtime import RequestMemory, SpanifiedRows
+from sekv_vllm.runtime import EnginePages, RequestMemory, SpanifiedRows
 
 
 class PagePlans:
@@ -24,34 +24,35 @@ class PagePlans:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._ranges
 
-    def after_compression(self, mem: RequestMemory, block_size: int, block_bytes: int, return_pages: bool) -> None:
-        """File the prompt's range (with `return_pages`) and record the pages held and returned in its figures."""
+    def after_compression(self, mem: RequestMemory, block_size: int, block_bytes: int,
+                          return_pages: bool) -> EnginePages:
+        """File the prompt's range (with `return_pages`); returns the pages it holds and hands back."""
         prompt_pages = math.ceil(mem.prompt_len / block_size)
         held = prompt_pages
         if return_pages:
-            keep = min(math.ceil(mem.figures["fast_tier_bytes"] / block_bytes), mem.prompt_len // block_size)
+            keep = min(math.ceil(mem.figures.fast_tier_bytes / block_bytes), mem.prompt_len // block_size)
             self._ranges[mem.req_id] = [PageRange(keep, mem.prompt_len)]
             kv_pages.plan_release(mem.req_id, self._ranges[mem.req_id])
             held = keep + (prompt_pages - mem.prompt_len // block_size)
-        mem.figures["vllm_pages_held_bytes"] = held * block_bytes
-        mem.figures["vllm_pages_returned_bytes"] = (prompt_pages - held) * block_bytes
+        return EnginePages(held * block_bytes, (prompt_pages - held) * block_bytes)
 
-    def after_spanification(self, mem: RequestMemory, part: SpanifiedRows, block_size: int, block_bytes: int) -> None:
+    def after_spanification(self, mem: RequestMemory, part: SpanifiedRows, block_size: int,
+                            block_bytes: int) -> EnginePages | None:
         """File one more range: the pages wholly inside rows [.., part.stop) compressed now, after those an
-        earlier range returned (a window smaller than `window` + growth may end inside them)."""
-        ranges = self._ranges.get(mem.req_id)
-        if ranges is None:
-            return
+        earlier range returned (a window smaller than `window` + growth may end inside them). Returns the
+        request's pages now, None when nothing changed."""
+        ranges, before = self._ranges.get(mem.req_id), mem.figures.pages
+        if ranges is None or before is None:
+            return None
         first = ranges[-1].end_token // block_size
         pages = max(part.stop // block_size - first, 0)
         if not pages:
-            return
-        kept_before = mem.figures.setdefault("vllm_output_pages_kept", 0)
-        keep = max(min(math.ceil(mem.output_fast_tier_bytes / block_bytes) - kept_before, pages), 0)
+            return None
+        keep = max(min(math.ceil(mem.output_fast_tier_bytes / block_bytes) - before.output_pages_kept, pages), 0)
         ranges.append(PageRange(first + keep, part.stop))
         kv_pages.plan_release(mem.req_id, ranges)
-        mem.figures["vllm_output_pages_kept"] = kept_before + keep
-        mem.figures["vllm_pages_returned_bytes"] += (pages - keep) * block_bytes
+        return EnginePages(before.held_bytes, before.returned_bytes + (pages - keep) * block_bytes,
+                           before.output_pages_kept + keep)
 
     def refile(self, req_id: str) -> None:
         """A preempted request resumed: its pages were allocated again, the same ranges go back again."""

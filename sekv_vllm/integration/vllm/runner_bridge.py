@@ -243,7 +243,9 @@ class RunnerBridge:
         part = self.runtime.spanify_window(req_id)
         if part is not None:
             self._placed.pop(req_id, None)  # its rows, rewritten, are in sekv's own pages until placed again
-            self._page_plans.after_spanification(self.runtime.get(req_id), part, *self._block_size_and_bytes())
+            pages = self._page_plans.after_spanification(self.runtime.get(req_id), part, *self._block_size_and_bytes())
+            if pages is not None:
+                self.runtime.record_engine_pages(req_id, pages)
 
     def _place_rows(self, req_id: str) -> None:
         """Move a compressed request's rows into the pages it keeps: every page of its block table but
@@ -282,7 +284,8 @@ class RunnerBridge:
     def _compress(self, req_id: str) -> None:
         mem = self.runtime.compress(req_id)
         if mem.status is Status.COMPRESSED:
-            self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
+            pages = self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
+            self.runtime.record_engine_pages(req_id, pages)
 
 
 def figures_by_request_id() -> dict[str, dict]:
