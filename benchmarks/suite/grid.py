@@ -172,8 +172,11 @@ PEERS = ("kvpress:snapkv", "kvpress:expected_attention")
 
 PROFILES: dict[str, dict] = {
     "ci": {"tasks": ("needle",), "lengths": (1000,), "samples": 2, "budgets": (0.5,)},
-    "quick": {"backends": ("vllm", "sekv", *PEERS), "tasks": ("needle", "passkey", "niah_multikey"),
-              "lengths": (1000, 2000, 4000), "samples": 3, "budgets": (0.5, 0.25, 0.125)},
+    # Every method at the same budgets, a share of full KV's bytes for all of them: full KV, SeKV, every
+    # in-engine method and kvpress's presses (the fast tier each really holds is in the table's last rows).
+    "quick": {"backends": ("vllm", "sekv", *(f"sekv:{m}" for m in METHODS), *PEERS),
+              "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000, 2000), "samples": 3,
+              "budgets": (0.25, 0.125)},
     # The trained router against the untrained score, budgets down to 1/16 of the prompt.
     "router": {"backends": ("vllm", "sekv:router", "sekv:span_score"),
                "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
@@ -191,11 +194,6 @@ PROFILES: dict[str, dict] = {
     # 12.5% of full KV (a budget bounds every byte), 6 samples per cell.
     "zoom": {"backends": ("vllm", "sekv:router", "sekv:span_score"), "tasks": ("needle", "passkey", "niah_multikey"),
              "lengths": (1000, 2000, 4000), "samples": 6, "budgets": (0.25, 0.125)},
-    # Every in-engine method beside full KV, SeKV and kvpress's SnapKV at the same budgets (the fast tier each
-    # really holds is in the table's last rows).
-    "methods-engine": {"backends": ("vllm", "sekv", *(f"sekv:{m}" for m in METHODS), "kvpress:snapkv"),
-                       "tasks": ("needle", "passkey", "niah_multikey"), "lengths": (1000,), "samples": 3,
-                       "budgets": (0.25, 0.125)},
     # KV quantization composed with SnapKV's choice of rows and with quest's pages, against both at 16 bits and
     # SeKV at the same budgets (a budget is bytes: quantized rows buy more rows, quantized pages more pages read).
     "kv-quant": {"backends": ("vllm", "sekv", "sekv:snapkv", "sekv:snapkv@kv8", "sekv:snapkv@kv4", "sekv:snapkv@kv2",

@@ -54,7 +54,7 @@ def test_sekv_backend_settings():
 
 
 def test_unknown_profile_is_refused():
-    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'kv-quant', 'methods-engine', 'oracle', 'quick', 'router', 'zoom'\]"):
+    with pytest.raises(GridError, match=r"profile: 'fast' is not one of \['centroids', 'ci', 'full', 'kv-quant', 'oracle', 'quick', 'router', 'zoom'\]"):
         make_grid("fast")
 
 
