@@ -33,7 +33,7 @@ def plot(summary: dict, out: Path) -> None:
                 if fracs:
                     pts.append((statistics.mean(fracs), statistics.mean(r["accuracy"] for r in cell)))
             if pts:
-                ax.plot(*zip(*sorted(pts)), "o-", color=f"C{i}", label=policy.removeprefix("kvpress:"))
+                ax.plot(*zip(*sorted(pts)), "o-", color=f"C{i}", label=policy)
         full = [r["accuracy"] for r in rows if r["task"] == task and r["backend"] == "vllm"]
         if full:
             ax.axhline(statistics.mean(full), color="k", linestyle="--", linewidth=1, label="full KV")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def column_name(backend: str, budget: float) -> str:
     if backend == "vllm":
         return "full KV"
-    return f"{backend.removeprefix('kvpress:')} {budget:g}"
+    return f"{backend} {budget:g}"
 
 
 def column_order(columns: set[tuple[str, float]]) -> list[tuple[str, float]]:

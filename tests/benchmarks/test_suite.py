@@ -126,7 +126,7 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
     assert by[("kvpress:snapkv", 0.25)]["relative_to_full_kv"] == 0.0
     text = table({"command": "x", "grid": {"samples": 1}, "model": "m", "seconds_this_run": 1,
                   "rows": rows, "averages": avg}, "s.json")
-    assert "| task | tokens | full KV | sekv 0.25 | snapkv 0.25 |" in text
+    assert "| task | tokens | full KV | sekv 0.25 | kvpress:snapkv 0.25 |" in text
     assert "| needle | ~1000 | 1.00 | 0.50 | 0.00 |" in text
     assert "Kept out of the averages" in text and "vt" in text.splitlines()[-1]
 
