@@ -34,6 +34,11 @@ class SpanCosts:
     head_dim: int
     feature_bytes: float = 0.0
 
+    @classmethod
+    def of_rows(cls, num_kv_heads: int, head_dim: int, element_size: int, feature_bytes: float) -> "SpanCosts":
+        """The costs for rows of `element_size` bytes per element (K and V of every KV head per row)."""
+        return cls(2 * num_kv_heads * head_dim * element_size, num_kv_heads, head_dim, feature_bytes)
+
     def span_rows(self, centroids: int, bits: int) -> float:
         """What one span holds in the fast tier (summary row, centroids, features), in rows' worth of bytes."""
         codes = scoring_nbytes(centroids, bits, self.num_kv_heads, self.head_dim)

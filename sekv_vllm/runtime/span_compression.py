@@ -32,6 +32,8 @@ class SpanCompression:
     def __init__(self, config: SeKVConfig, layer_names: list[str], policy: ZoomPolicy, pool: HostPool,
                  block: int) -> None:
         self.config, self.layer_names, self.policy, self.pool, self.block = config, layer_names, policy, pool, block
+        # the policy's span features, per span and layer on average (what the budget plan prices)
+        self.feature_bytes = sum(policy.span_feature_nbytes(i) for i in range(len(layer_names))) / len(layer_names)
 
     def _compress_layers(self, mem: RequestMemory, rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
                          layout: SpanLayout, surprisal: torch.Tensor, store_rows: bool | None
@@ -62,8 +64,7 @@ class SpanCompression:
     def costs(self, k: torch.Tensor) -> SpanCosts:
         """What SeKV's parts cost per layer for rows like k [n, Hkv, D] (the KV dtype)."""
         _, Hkv, D = k.shape
-        features = sum(self.policy.span_feature_nbytes(i) for i in range(len(self.layer_names)))
-        return SpanCosts(2 * Hkv * D * k.element_size(), Hkv, D, features / len(self.layer_names))
+        return SpanCosts.of_rows(Hkv, D, k.element_size(), self.feature_bytes)
 
     def compress_prompt(self, mem: RequestMemory) -> str:
         """Compress a prefilled prompt from its captured rows; "" when done, else why it keeps full KV."""
