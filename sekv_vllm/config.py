@@ -70,6 +70,9 @@ class SeKVConfig(BaseModel):
         0.5, ge=0.0, lt=1.0,
         description="share of the budget kept for zoomed spans; anchors are demoted until the rest fits",
     )
+    min_zoom_spans: int = Field(
+        1, ge=0, description="the zoom gives up its share of the budget down to this many spans' rows (max_span "
+        "each) before the spans keep fewer scoring centroids (zoom_share is its share when the budget is ample)")
     alpha: float = Field(1.0, ge=-3.0, le=10.0, description="anchor threshold: mean + alpha * std of surprisal")
     l_min: int = Field(4, ge=1, le=64, description="runs shorter than this stay at full resolution")
     # At max_span <= r_max every span rebuilds exactly; a longer max_span or a smaller r_max

@@ -210,7 +210,7 @@ def test_the_budget_bounds_every_fast_tier_byte(policy):
     rt = SeKVRuntime(SeKVConfig(zoom_policy=policy, min_prompt_tokens=10, window_growth=48), LAYERS,
                      ModelShape(30, H, HKV, D), "SmolLM2-135M-Instruct")
     centroids = {}
-    for i, ratio in enumerate((0.5, 0.25, 0.125)):
+    for i, ratio in enumerate((0.5, 0.25, 0.125, 0.0625)):
         r = f"r{i}"
         rt.admit(r, 2000, {"sekv_budget_ratio": ratio})
         kv = prefill(rt, r, 2000, seed=i)
@@ -229,5 +229,6 @@ def test_the_budget_bounds_every_fast_tier_byte(policy):
         fig = rt.figures(r)
         grown = fig["output_span_tokens"] + fig["output_anchor_and_short_tokens"]
         assert fig["output_spans"] > 0 and fig["output_fast_tier_bytes"] <= ratio * grown * row * 2 + row * 2
-    # a tight budget keeps fewer scoring centroids per span rather than overrun
-    assert centroids[0.5] == 32 and centroids[0.125] < 32
+    # a tight budget takes rows from the zoom (down to min_zoom_spans spans) before it keeps fewer scoring
+    # centroids per span, rather than overrun
+    assert centroids[0.5] == centroids[0.125] == 32 and centroids[0.0625] < 32

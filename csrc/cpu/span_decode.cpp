@@ -171,9 +171,6 @@ inline void code_dots(const uint8_t* codes, const float* qstep, float* acc, floa
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // Lane j of the result is the sum of t[j]'s 16 lanes: 16 horizontal sums for the price of about three.
 inline __m512 transpose_sum16(const __m512* t) {
@@ -191,8 +188,8 @@ inline __m512 transpose_sum16(const __m512* t) {
 }
 
 // Lane j = q . rows[j] for 16 rows of 16 * DV elements.
-template <int DV, typename T>
-inline __m512 dots16(const T* const* rows, const float* q) {
+template <int DV>
+inline __m512 dots16(const float* const* rows, const float* q) {
   __m512 qv[DV], t[16];
   for (int k = 0; k < DV; ++k) qv[k] = _mm512_loadu_ps(q + 16 * k);
   for (int j = 0; j < 16; ++j) {
@@ -330,30 +327,6 @@ void weighted_rows(const float* const* rows, int64_t n, const float* w, int64_t 
   }
 }
 
-// out[s] = q . features[(s * H + h) * F, + F) for s < S (one query head h's learned term of every span).
-// zero: F readable halves, read in place of the rows past S in the vector path.
-void feature_dots(const c10::Half* features, int64_t S, int64_t H, int64_t F, int64_t h, const float* q,
-                  const c10::Half* zero, float* scratch, float* out) {
-#if defined(__AVX512F__)
-  if (F == 16 || F == 32 || F == 64) {
-    const c10::Half* rows[16];
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {
-      for (int j = 0; j < 16; ++j) {
-        rows[j] = s0 + j < S ? features + ((s0 + j) * H + h) * F : zero;
-        if (s0 + 16 + j < S) prefetch(features + ((s0 + 16 + j) * H + h) * F, F * 2);
-      }
-      const __m512 v = F == 16 ? dots16<1>(rows, q) : (F == 32 ? dots16<2>(rows, q) : dots16<4>(rows, q));
-      _mm512_mask_storeu_ps(out + s0, first_lanes(S - s0), v);
-    }
-    return;
-  }
-#endif
-  for (int64_t s = 0; s < S; ++s) {
-    to_float(features + (s * H + h) * F, scratch, F);
-    out[s] = dot(q, scratch, F);
-  }
-}
-
 // A key that orders (score, span) pairs as the zoom takes them: higher score first, then the earlier span.
 // The float's bits are mapped so that unsigned order is numeric order (-inf lowest).
 inline uint64_t order_key(float score, int64_t span) {
@@ -383,7 +356,7 @@ struct Request {
   const c10::Half* centroid_step;
   const c10::Half* log_count;  // [S, Hkv, C]
   int64_t num_centroids;
-  const c10::Half* key_features;  // [S, H, F] or null
+  const c10::Half* key_features;  // [S, H] or null: the learned term's scale per span and query head
   const float* coef_k;  // [P, Hkv, R], or the rows [P, Hkv, D] when `rows`
   const float* basis_k;  // [S, Hkv, R, D]
   const float* coef_v;
@@ -420,11 +393,11 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
 // byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
 // [S_b, Hkv, D] float16 (value = lo + step * code; empty lists when no request has codes);
-// log_count [S_b, Hkv, C_b] float16; key_features [S_b, H, F] float16 (empty
+// log_count [S_b, Hkv, C_b] float16; key_features [S_b, H] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
-// |s| - 1); zoom_all [B] bool. query_features [B, H, F] float32 (already divided by sqrt(F)) or
-// empty; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
+// |s| - 1); zoom_all [B] bool. query_features [B, H, D] float32 or empty: the learned term of span s
+// for head h is (query_features[b, h] . summary_k[s, h / G]) * key_features[s, h]; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
 // Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, per request).
 std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& row_pages, const std::vector<torch::Tensor>& page_table,
@@ -455,7 +428,9 @@ std::vector<torch::Tensor> span_decode(
   const int64_t Hkv = summary_k.empty() ? 1 : summary_k[0].size(1);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "H must be a multiple of the KV heads");
   const int64_t G = H / Hkv;
-  const int64_t F = learned ? query_features.size(2) : 0;
+  TORCH_CHECK(!learned || (query_features.dim() == 3 && query_features.size(0) == B && query_features.size(1) == H &&
+                           query_features.size(2) == D),
+              "query_features must be [B, H, D]");
   const float* qp = f32(q, "q");
   const float* qf = learned ? f32(query_features, "query_features") : nullptr;
   const float* bias_p = f32(bias, "bias");
@@ -531,9 +506,9 @@ std::vector<torch::Tensor> span_decode(
     if (learned) {
       TORCH_CHECK(key_features[b].scalar_type() == torch::kHalf && key_features[b].is_contiguous(),
                   "key_features must be contiguous float16");
-      TORCH_CHECK(zoom_all_p[b] || (key_features[b].dim() == 3 && key_features[b].size(0) == r.num_spans &&
-                                    key_features[b].size(1) == H && key_features[b].size(2) == F),
-                  "key_features must be [S, H, F] (any shape for a request that zooms every span)");
+      TORCH_CHECK(zoom_all_p[b] || (key_features[b].dim() == 2 && key_features[b].size(0) == r.num_spans &&
+                                    key_features[b].size(1) == H),
+                  "key_features must be [S, H] (any shape for a request that zooms every span)");
       r.key_features = key_features[b].data_ptr<c10::Half>();
     }
     r.coef_k = f32(coef_k[b], "coef_k");
@@ -562,10 +537,9 @@ std::vector<torch::Tensor> span_decode(
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, feat(F), learned_term,
+    std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, learned_term,
         group, logits, scores, lse, sums, qb, acc;
     const std::vector<float> zero_row(D, 0.f);
-    const std::vector<c10::Half> zero_features(F, c10::Half(0.f));
     std::vector<const float*> krows, vrows;
     std::vector<uint64_t> order;
     std::vector<char> zoomed;
@@ -688,11 +662,14 @@ std::vector<torch::Tensor> span_decode(
 #pragma omp simd
         for (int64_t i = 0; i < SG; ++i) mx[i] += log_poly(sm[i]);
         if (learned) {
+          // (W^T W q / sqrt(d_r)) . k_bar / |W k_bar|: the summary keys the attention reads anyway
           learned_term.resize(G * S);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t h = kh * G + g;
-            feature_dots(r.key_features, S, H, F, h, qf + (b * H + h) * F, zero_features.data(), feat.data(),
-                         learned_term.data() + g * S);
+          const float* qfg = qf + (b * H + kh * G) * D;
+          for (int64_t s = 0; s < S; ++s) {
+            const float* ks = r.summary_k + (s * Hkv + kh) * D;
+            for (int64_t g = 0; g < G; ++g) {
+              learned_term[g * S + s] = dot(qfg + g * D, ks, D) * half_to_float(r.key_features[s * H + kh * G + g]);
+            }
           }
         }
         for (int64_t s = 0; s < S; ++s) {

@@ -56,8 +56,9 @@ class QueryTerms:
     """What the C++ decode kernel needs of a policy for one layer and step (`ops.span_decode`).
 
     A span's score for head h is logsumexp_c(q_h . c * score_scale + log n_c)
-    + features[b, h] . key_features[s, h] + bias[h]; it is eligible when above threshold[h].
-    features: [B, H, F] float32 or None (no learned term); bias, threshold: [H] float32.
+    + (features[b, h] . summary_k[s, h // G]) * key_features[s, h] + bias[h] (G query heads per KV head);
+    it is eligible when above threshold[h].
+    features: [B, H, D] float32 or None (no learned term); bias, threshold: [H] float32.
     """
 
     features: torch.Tensor | None
@@ -90,8 +91,8 @@ class ZoomPolicy(ABC):
                              None if eligible is None else eligible.T)
 
     def key_features(self, layer: int, keys: SpanKeys) -> torch.Tensor | None:
-        """[S, H, F] float16 span-side features of a learned score term (computed once per request
-        and layer, kept in the fast tier), or None when the score has none."""
+        """[S, H] float16 span-side scales of a learned score term (`QueryTerms`; computed once per
+        request and layer, kept in the fast tier), or None when the score has none."""
         return None
 
     def span_feature_nbytes(self, layer: int) -> int:

@@ -17,25 +17,27 @@ from sekv_vllm.router import ZoomRouter
 class RouterPolicy(ZoomPolicy):
     router: ZoomRouter
     name: ClassVar[str] = "router"
-    # Per layer, the last spans scored and their projected keys: reused while a batch decodes.
-    _projected: dict = field(default_factory=dict, compare=False, repr=False)
+    # Per layer, the last spans scored and their key scales: reused while a batch decodes.
+    _scales: dict = field(default_factory=dict, compare=False, repr=False)
 
     @torch.no_grad()
     def span_scores(self, layer: int, q: torch.Tensor, seg: torch.Tensor, keys: SpanKeys,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        hit = self._projected.get(layer)
+        hit = self._scales.get(layer)
         if hit is None or hit[0] is not keys:
             # float16 like the fast tier's copy the C++ kernel reads (`key_features`): both paths score alike
-            hit = self._projected[layer] = (keys, self.key_features(layer, keys).float())
+            hit = self._scales[layer] = (keys, self.key_features(layer, keys).float())
         score = self.router.score_rows(layer, q, seg, keys, hit[1])  # [S, H]
         return score, score > self.router.threshold_logit(layer)[None, :]
 
     @torch.no_grad()
     def key_features(self, layer: int, keys: SpanKeys) -> torch.Tensor:
-        return self.router.projected_keys(layer, keys).half().contiguous()
+        """[S, H] float16: each span's scale of the learned term (`ZoomRouter.key_scales`); the rest of
+        the term reads the span's summary key."""
+        return self.router.key_scales(layer, keys).half().contiguous()
 
     def span_feature_nbytes(self, layer: int) -> int:
-        return self.router.shape.num_heads * self.router.d_r * 2  # [H, d_r] float16
+        return self.router.shape.num_heads * 2  # [H] float16
 
     @torch.no_grad()
     def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:

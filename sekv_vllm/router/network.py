@@ -87,25 +87,40 @@ class ZoomRouter(nn.Module):
         return keys.score(q, 1 / math.sqrt(self.shape.head_dim)) + learned + self.bias[layer][:, None]
 
     def score_rows(self, layer: int, q: torch.Tensor, seg: torch.Tensor, keys: SpanKeys,
-                   projected: torch.Tensor | None = None) -> torch.Tensor:
+                   key_scales: torch.Tensor | None = None) -> torch.Tensor:
         """`score_logits` of each span for its own request's query (serving many requests at once):
-        q [B, H, D], seg [S] the request of each span -> [S, H]. projected: `projected_keys` of
-        these keys when already computed (they do not change while a batch decodes)."""
-        qp = self.query_features(layer, q)[seg]  # [S, H, d_r]
-        kp = self.projected_keys(layer, keys) if projected is None else projected
-        learned = (qp * kp).sum(-1)
+        q [B, H, D], seg [S] the request of each span -> [S, H]. key_scales: `key_scales` of these
+        keys when already computed (they do not change while a batch decodes).
+
+        The learned term is computed as served: (W q) . normalize(W k_bar) / sqrt(d_r)
+        = (W^T W q / sqrt(d_r)) . k_bar / |W k_bar|, from the summary keys the fast tier holds anyway
+        and one scale per span and head (not a d_r-wide projected key per span and head)."""
+        qf = self.query_features(layer, q)[seg]  # [S, H, D]
+        scales = self.key_scales(layer, keys) if key_scales is None else key_scales
+        learned = (qf * self._per_head(keys.summary_k)).sum(-1) * scales
         return keys.score_rows(q[seg], 1 / math.sqrt(self.shape.head_dim)) + learned + self.bias[layer][None, :]
 
     def query_features(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """W q / sqrt(d_r): q [B, H, D] -> [B, H, d_r] float32 (the learned term is its dot with
-        `projected_keys`)."""
-        return torch.einsum("hrd,bhd->bhr", self.W[layer], q.float()) / math.sqrt(self.d_r)
+        """W^T W q / sqrt(d_r): q [B, H, D] -> [B, H, D] float32 (the learned term is its dot with a
+        span's summary key times the span's `key_scales`)."""
+        w = self.W[layer].float()
+        qp = torch.einsum("hrd,bhd->bhr", w, q.float())
+        return torch.einsum("hrd,bhr->bhd", w, qp) / math.sqrt(self.d_r)
+
+    def key_scales(self, layer: int, keys: SpanKeys) -> torch.Tensor:
+        """1 / |W_h k_bar_s|: [S, H] float32, at most float16's largest value (the fast tier keeps them in
+        float16; a projected key that short, as with W = 0, has a term near 0 anyway)."""
+        proj = torch.einsum("hrd,shd->shr", self.W[layer].float(), self._per_head(keys.summary_k))
+        return (1 / torch.linalg.vector_norm(proj, dim=-1)).clamp(max=torch.finfo(torch.float16).max)
 
     def projected_keys(self, layer: int, keys: SpanKeys) -> torch.Tensor:
-        """normalize(W k_bar): [S, H, d_r]."""
-        G = self.shape.num_heads // self.shape.num_kv_heads
-        k_h = keys.summary_k.float().repeat_interleave(G, dim=1)  # [S, H, D]
-        return nn.functional.normalize(torch.einsum("hrd,shd->shr", self.W[layer], k_h), dim=-1)
+        """normalize(W k_bar): [S, H, d_r] (training's form of the learned term)."""
+        return nn.functional.normalize(torch.einsum("hrd,shd->shr", self.W[layer], self._per_head(keys.summary_k)),
+                                       dim=-1)
+
+    def _per_head(self, summary_k: torch.Tensor) -> torch.Tensor:
+        """[S, Hkv, D] -> [S, H, D] float32: each query head's KV head's summary key."""
+        return summary_k.float().repeat_interleave(self.shape.num_heads // self.shape.num_kv_heads, dim=1)
 
     def threshold_logit(self, layer: int) -> torch.Tensor:
         """[H] logit of tau: a > tau iff score logit > this."""

@@ -99,8 +99,8 @@ def teacher_pass(lm: FrozenLM, text: TrainingText, config: TrainConfig) -> Teach
     q = torch.stack([lm.rope(lm.heads(pre[(i, "q_proj")][cand], H), cand) for i in range(L)])  # [L, C, H, D]
 
     budget = config.sekv.budget_for(T0, RequestOverrides(sekv_budget_ratio=text.budget_ratio))
-    # what the served plan holds: float32 rows (vLLM's CPU cache) and the router's span features
-    costs = SpanCosts.of_rows(Hkv, D, 4, H * config.d_r * 2)
+    # what the served plan holds: float32 rows (vLLM's CPU cache) and the router's span scales
+    costs = SpanCosts.of_rows(Hkv, D, 4, H * 2)
     plan = plan_layout(surprisal, budget, config.sekv, costs)
     layout, zoom_budget = plan.layout, plan.zoom_budget
     S = layout.num_spans

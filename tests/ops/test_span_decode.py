@@ -42,7 +42,7 @@ CASES = {
     "span_score, 4 centroids": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=4),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
     # short spans: the budget holds fewer centroids per span, a different count for each request
-    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.3, r_max=8, max_span=16),
+    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.26, r_max=8, max_span=16),
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
@@ -158,14 +158,14 @@ def test_rows_in_scattered_engine_pages_decode_as_rows_in_own_pages(path, caplog
     free = torch.randperm(64, generator=g)
     for i, r in enumerate(prompts):
         n = paged.requests[r].rows[LAYERS[0]].length
-        table = free[i * 20 : i * 20 + (n + 2) // 16 + 1]  # their rows and 1-2 spare rows, scattered
+        table = free[i * 20 : i * 20 + (n + 2) // 16 + 1]  # their rows and at least 3 spare rows, scattered
         assert paged.place_rows(r, cache, table)
         assert paged.rows_in_engine_pages(r) and paged.requests[r].rows[LAYERS[1]].pages is cache[LAYERS[1]]
     ids = list(prompts)
     with caplog.at_level("WARNING", logger="sekv_vllm"):
         for step in range(40):
-            if step == 10:
-                paged.add_pages("a", free[60:62])  # the engine hands more pages over; "b" gets none
+            if step == 2:
+                paged.add_pages("a", free[60:63])  # the engine hands more pages over; "b" gets none
             q = torch.randn(2, 9, 64, generator=g)
             k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
             for name in LAYERS:

@@ -168,9 +168,10 @@ def test_span_wise_scores_match_the_all_pairs_scores():
     rows = r.score_rows(2, q, seg, keys)
     pairs = r.score_logits(2, q, keys)  # [3, H, S]
     assert torch.allclose(rows, pairs[seg, :, torch.arange(9)], atol=1e-5)
-    # the policy scores through the fast tier's float16 copy of the projected keys
+    # the policy scores through the fast tier's float16 copy of the key scales: one per span and query head
     policy = RouterPolicy(r)
     score, eligible = policy.span_scores(2, q, seg, keys, 0.25)
-    assert policy.key_features(2, keys).dtype == torch.float16
+    assert policy.key_features(2, keys).dtype == torch.float16 and policy.key_features(2, keys).shape == (9, 6)
+    assert policy.span_feature_nbytes(2) == policy.key_features(2, keys)[0].nbytes
     assert torch.equal(score, r.score_rows(2, q, seg, keys, policy.key_features(2, keys).float()))
     assert torch.allclose(score, rows, atol=2e-3) and torch.equal(eligible, score > r.threshold_logit(2)[None, :])
