@@ -88,6 +88,9 @@ class SeKVConfig(BaseModel):
     score_bits: Literal[2, 4, 8, 16] = Field(
         2, description="bits per element of the scoring centroids: 16 keeps them in float16; 2, 4 or 8 quantizes "
         "them per span, KV head and channel (with score_centroids >= max_span: every key of the span at that width)")
+    score_range_spans: int = Field(
+        4, ge=1, le=64, description="consecutive spans sharing each channel's quantization range of their scoring "
+        "codes (score_bits < 16): a range costs 2 float16 per KV head and channel")
     zoom_policy: Literal["auto", "router", "span_score"] = Field(
         "auto", description="router: the trained router (weights shipped for the default model; another model "
         "needs router_weights); span_score: the untrained score (the span's attention mass estimated from its key "

@@ -144,6 +144,33 @@ def averages(rows: list[dict]) -> dict:
     return {"floor": INFORMATIVE_FLOOR, "excluded_tasks": excluded, "rows": out}
 
 
+def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
+    """The method's figures the targets are read from: its first SeKV backend (the grid's default method), the
+    families averaged, and per budget its fast tier (share of full KV's bytes, everything counted), its average
+    accuracy over full KV's and its lowest ratio to full KV in any one (family, length) cell."""
+    method = next((b for b in backends if b.startswith("sekv")), None)
+    if method is None:
+        return {}
+    full = {(r["task"], r["length"]): r["accuracy"] for r in rows if r["backend"] == "vllm"}
+    mine = [r for r in rows if r["backend"] == method and r["task"] not in avg["excluded_tasks"]]
+    budgets = sorted({r["budget"] for r in mine})
+
+    def worst(budget: float) -> float | None:
+        ratios = [r["accuracy"] / full[(r["task"], r["length"])] for r in mine
+                  if r["budget"] == budget and full.get((r["task"], r["length"]), 0) > 0]
+        return min(ratios) if ratios else None
+
+    fractions = {b: [r["fast_tier_fraction"] for r in mine if r["budget"] == b and r["fast_tier_fraction"] is not None]
+                 for b in budgets}
+    return {
+        "method": method,
+        "families": sorted({r["task"] for r in mine}),
+        "fast_tier_fraction": {str(b): statistics.mean(f) if f else None for b, f in fractions.items()},
+        "ratio_to_full": {str(a["budget"]): a["relative_to_full_kv"] for a in avg["rows"] if a["backend"] == method},
+        "lowest_cell_ratio_to_full": {str(b): worst(b) for b in budgets},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -203,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                "sample_seconds": round(sum(r["batch_seconds"] / (1 if r.get("via") == "server" else r["batch_size"])
                                            for r in records)),
                "rows": rows, "averages": averages(rows)}
+    summary.update(headline(rows, summary["averages"], grid.backends))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{'task':<16}{'tokens':>7}{'backend':>28}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}{'s/sample':>10}")
     for r in rows:

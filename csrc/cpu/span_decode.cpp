@@ -352,9 +352,10 @@ struct Request {
   const void* centroid_k;  // [S, C, Hkv, D] half or float, or codes [S, Hkv, C, D / m] uint8
   bool centroid_half;
   int64_t code_bits;  // 0: centroids are half/float; else bits per code (m = 8 / bits codes per byte)
-  const c10::Half* centroid_lo;  // [S, Hkv, D] (codes only)
+  const c10::Half* centroid_lo;  // [N, Hkv, D] (codes only): a range per group of spans
   const c10::Half* centroid_step;
-  const c10::Half* log_count;  // [S, Hkv, C]
+  const int64_t* centroid_range;  // [S]: the range of each span
+  const c10::Half* log_count;  // [S, Hkv, C], or null: centroid c is token c of its span (if it has one)
   int64_t num_centroids;
   const c10::Half* key_features;  // [S, H] or null: the learned term's scale per span and query head
   const float* coef_k;  // [P, Hkv, R], or the rows [P, Hkv, D] when `rows`
@@ -367,6 +368,21 @@ struct Request {
   int64_t budget;
   bool zoom_all;
 };
+
+// out[c] = log of the tokens centroid c of span s stands for (KV head kh), stored or implied (-inf: none).
+inline void span_log_counts(const Request& r, int64_t s, int64_t kh, int64_t Hkv, int64_t C, float* out) {
+  if (r.log_count) {
+    to_float(r.log_count + (s * Hkv + kh) * C, out, C);
+    return;
+  }
+  for (int64_t c = 0; c < C; ++c) out[c] = c < r.span_len[s] ? 0.f : kNegInf;
+}
+
+inline int64_t max_len(const Request& r) {
+  int64_t longest = 0;
+  for (int64_t s = 0; s < r.num_spans; ++s) longest = std::max(longest, r.span_len[s]);
+  return longest;
+}
 
 // Row i's K (or V) for KV head kh in a request's pages.
 inline float* full_row(const Request& r, int64_t i, int64_t kh, bool value, int64_t Hkv, int64_t D) {
@@ -392,8 +408,8 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
 // float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
 // byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
-// [S_b, Hkv, D] float16 (value = lo + step * code; empty lists when no request has codes);
-// log_count [S_b, Hkv, C_b] float16; key_features [S_b, H] float16 (empty
+// [N_b, Hkv, D] float16 and centroid_range [S_b] int64 (span s's value = lo[range[s]] + step[range[s]] * code; empty
+// lists when no request has codes); log_count [S_b, Hkv, C_b] float16, or empty when every centroid is one key; key_features [S_b, H] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
 // |s| - 1); zoom_all [B] bool. query_features [B, H, D] float32 or empty: the learned term of span s
@@ -405,7 +421,8 @@ std::vector<torch::Tensor> span_decode(
     const std::vector<torch::Tensor>& summary_k, const std::vector<torch::Tensor>& summary_v,
     const std::vector<torch::Tensor>& span_len, const std::vector<torch::Tensor>& centroid_k,
     const std::vector<torch::Tensor>& log_count, const std::vector<torch::Tensor>& centroid_lo,
-    const std::vector<torch::Tensor>& centroid_step, int64_t code_bits, const std::vector<torch::Tensor>& key_features,
+    const std::vector<torch::Tensor>& centroid_step, const std::vector<torch::Tensor>& centroid_range, int64_t code_bits,
+    const std::vector<torch::Tensor>& key_features,
     const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
     const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
     const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& zoom_all,
@@ -421,8 +438,9 @@ std::vector<torch::Tensor> span_decode(
                   basis_v.size() == row_pages.size() && row_offset.size() == row_pages.size(),
               "every per-request list must have B = q.size(0) tensors");
   TORCH_CHECK(code_bits == 0 || ((code_bits == 2 || code_bits == 4 || code_bits == 8) &&
-                                  static_cast<int64_t>(centroid_lo.size()) == B && centroid_step.size() == centroid_lo.size()),
-              "code_bits must be 0, or 2, 4 or 8 with B centroid_lo and centroid_step tensors");
+                                  static_cast<int64_t>(centroid_lo.size()) == B && centroid_step.size() == centroid_lo.size() &&
+                                  centroid_range.size() == centroid_lo.size()),
+              "code_bits must be 0, or 2, 4 or 8 with B centroid_lo, centroid_step and centroid_range tensors");
   const bool learned = !key_features.empty();
   TORCH_CHECK(!learned || static_cast<int64_t>(key_features.size()) == B, "key_features: B tensors or none");
   const int64_t Hkv = summary_k.empty() ? 1 : summary_k[0].size(1);
@@ -484,10 +502,16 @@ std::vector<torch::Tensor> span_decode(
       const auto& lo = centroid_lo[b];
       const auto& st = centroid_step[b];
       TORCH_CHECK(lo.scalar_type() == torch::kHalf && st.scalar_type() == torch::kHalf && lo.is_contiguous() &&
-                      st.is_contiguous() && lo.numel() == r.num_spans * Hkv * D && st.numel() == lo.numel(),
-                  "centroid_lo/centroid_step must be contiguous float16 [S, Hkv, D]");
+                      st.is_contiguous() && lo.numel() % (Hkv * D) == 0 && st.numel() == lo.numel(),
+                  "centroid_lo/centroid_step must be contiguous float16 [N, Hkv, D]");
       r.centroid_lo = lo.data_ptr<c10::Half>();
       r.centroid_step = st.data_ptr<c10::Half>();
+      TORCH_CHECK(centroid_range[b].numel() == r.num_spans, "centroid_range must be [S] int64");
+      r.centroid_range = i64(centroid_range[b], "centroid_range");
+      const int64_t ranges = lo.numel() / (Hkv * D);
+      for (int64_t s = 0; s < r.num_spans; ++s) {
+        TORCH_CHECK(r.centroid_range[s] >= 0 && r.centroid_range[s] < ranges, "centroid_range out of [0, N)");
+      }
       r.num_centroids = ck.size(3);
     } else {
       TORCH_CHECK(ck.is_contiguous() && ck.dim() == 4 && ck.size(0) == r.num_spans && ck.size(2) == Hkv &&
@@ -499,10 +523,13 @@ std::vector<torch::Tensor> span_decode(
     }
     r.centroid_half = ck.scalar_type() == torch::kHalf;
     r.centroid_k = ck.data_ptr();
-    TORCH_CHECK(log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous() &&
-                    log_count[b].numel() == r.num_spans * Hkv * r.num_centroids,
-                "log_count must be contiguous float16 [S, Hkv, C]");
-    r.log_count = log_count[b].data_ptr<c10::Half>();
+    const bool counts = log_count[b].numel() > 0;
+    TORCH_CHECK(!counts || (log_count[b].scalar_type() == torch::kHalf && log_count[b].is_contiguous() &&
+                            log_count[b].numel() == r.num_spans * Hkv * r.num_centroids),
+                "log_count must be contiguous float16 [S, Hkv, C] or empty");
+    TORCH_CHECK(counts || r.num_spans == 0 || r.num_centroids >= max_len(r), "log_count may be empty only when "
+                "every span has at most C tokens (each centroid one key)");
+    r.log_count = counts ? log_count[b].data_ptr<c10::Half>() : nullptr;
     if (learned) {
       TORCH_CHECK(key_features[b].scalar_type() == torch::kHalf && key_features[b].is_contiguous(),
                   "key_features must be contiguous float16");
@@ -578,18 +605,18 @@ std::vector<torch::Tensor> span_decode(
           const uint8_t* codes = static_cast<const uint8_t*>(r.centroid_k) + (s * Hkv + kh) * Dm * C;
           if (s + 2 < S) {
             prefetch(codes + 2 * Hkv * Dm * C, Dm * C);
-            prefetch(r.centroid_lo + ((s + 2) * Hkv + kh) * D, D * 2);
-            prefetch(r.centroid_step + ((s + 2) * Hkv + kh) * D, D * 2);
-            prefetch(r.log_count + ((s + 2) * Hkv + kh) * C, C * 2);
+            prefetch(r.centroid_lo + (r.centroid_range[s + 2] * Hkv + kh) * D, D * 2);
+            prefetch(r.centroid_step + (r.centroid_range[s + 2] * Hkv + kh) * D, D * 2);
+            if (r.log_count) prefetch(r.log_count + ((s + 2) * Hkv + kh) * C, C * 2);
           }
-          to_float(r.centroid_lo + (s * Hkv + kh) * D, cent.data(), D);
-          to_float(r.centroid_step + (s * Hkv + kh) * D, step.data(), D);
+          to_float(r.centroid_lo + (r.centroid_range[s] * Hkv + kh) * D, cent.data(), D);
+          to_float(r.centroid_step + (r.centroid_range[s] * Hkv + kh) * D, step.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             for (int64_t d = 0; d < D; ++d) qstep[g * D + d] = qg[g * D + d] * step[d] * unshift[d];
           }
           // Centroids past the span's last non-empty one (its tokens, when every key is a centroid)
           // count 0: they are neither scored nor summed.
-          to_float(r.log_count + (s * Hkv + kh) * C, lcount.data(), C);
+          span_log_counts(r, s, kh, Hkv, C, lcount.data());
           int64_t Ce = C;
           while (Ce > 1 && lcount[Ce - 1] == kNegInf) --Ce;
           code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, std::min<int64_t>(C, (Ce + 15) / 16 * 16),
@@ -626,7 +653,8 @@ std::vector<torch::Tensor> span_decode(
             } else {
               to_float(static_cast<const float*>(r.centroid_k) + at, cent.data(), D);
             }
-            const float lc = half_to_float(r.log_count[(s * Hkv + kh) * C + c]);
+            const float lc = r.log_count ? half_to_float(r.log_count[(s * Hkv + kh) * C + c])
+                                         : (c < r.span_len[s] ? 0.f : kNegInf);
             for (int64_t g = 0; g < G; ++g) scores[(s * G + g) * C + c] = dot(qg + g * D, cent.data(), D) * fscore + lc;
           }
         }
@@ -803,7 +831,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)", py::kw_only(),
         py::arg("q"), py::arg("row_pages"), py::arg("page_table"), py::arg("num_full"), py::arg("new_k"),
         py::arg("new_v"), py::arg("summary_k"), py::arg("summary_v"), py::arg("span_len"), py::arg("centroid_k"),
-        py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("code_bits"),
+        py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("centroid_range"),
+        py::arg("code_bits"),
         py::arg("key_features"), py::arg("coef_k"), py::arg("basis_k"), py::arg("coef_v"), py::arg("basis_v"),
         py::arg("row_offset"), py::arg("budgets"), py::arg("zoom_all"), py::arg("query_features"), py::arg("bias"),
         py::arg("threshold"), py::arg("scale"), py::arg("score_scale"));

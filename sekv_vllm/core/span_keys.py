@@ -11,10 +11,12 @@ is scored through its summary key alone (C = 1 centroid k_bar standing for |S| t
 is the method doc's score.
 
 Centroids are kept in float16, or at 2, 4 or 8 bits per element (`score_bits`): quantized per
-span, KV head and channel over the span's centroids (KIVI's per-channel key quantization: a few
-channels of LLM keys carry large magnitudes, so each channel gets its own range). With one
+KV head and channel over the centroids of a few consecutive spans (KIVI's per-channel key
+quantization over groups of tokens: a few channels of LLM keys carry large magnitudes, so each
+channel gets its own range; `range_spans` spans share one, 128 tokens at 4 spans of 32). With one
 centroid per token that is every key of the span at a few bits, which ranks spans almost as the
-exact keys do for a fraction of the bytes.
+exact keys do for a fraction of the bytes; the tokens each centroid stands for are then implied
+by the span's length and not stored.
 """
 from __future__ import annotations
 
@@ -30,22 +32,24 @@ QUANT_BITS = (2, 4, 8)  # besides 16: float16
 
 @dataclass(frozen=True)
 class CentroidCodes:
-    """Key centroids at `bits` per element, quantized per (span, KV head, channel).
+    """Key centroids at `bits` per element, quantized per (range, KV head, channel).
 
     codes: [S, Hkv, D // m, C] uint8, m = 8 // bits codes per byte; byte [j, c] holds centroid c's
            channels j + i * (D // m), i = 0..m-1, channel j + i * (D // m) in bits [i * bits, (i + 1) * bits)
            (centroid-minor: the decode kernel scores a span's centroids side by side in vector lanes)
-    lo, step: [S, Hkv, D] float16; a channel's value is lo + step * code
+    lo, step: [N, Hkv, D] float16, one range per group of consecutive spans; a channel's value is lo + step * code
+    range_of: [S] int64, the range (row of lo and step) of each span
     """
 
     codes: torch.Tensor
     lo: torch.Tensor
     step: torch.Tensor
+    range_of: torch.Tensor
     bits: int
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.lo, self.step))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.lo, self.step, self.range_of))
 
     def dequantize(self) -> torch.Tensor:
         """[S, C, Hkv, D] float32."""
@@ -53,32 +57,39 @@ class CentroidCodes:
         m = 8 // self.bits
         shifts = torch.arange(m, dtype=torch.uint8, device=self.codes.device) * self.bits
         code = (self.codes[:, :, None] >> shifts[:, None, None]) & ((1 << self.bits) - 1)  # [S, Hkv, m, Dm, C]
-        x = self.lo.float()[..., None] + self.step.float()[..., None] * code.reshape(S, Hkv, m * Dm, C).float()
+        lo, step = self.lo[self.range_of].float(), self.step[self.range_of].float()
+        x = lo[..., None] + step[..., None] * code.reshape(S, Hkv, m * Dm, C).float()
         return x.permute(0, 3, 1, 2)
 
 
-def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int) -> CentroidCodes:
+def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int, range_spans: int = 1) -> CentroidCodes:
     """cent: [S, Hkv, C, D] float; present: [S, Hkv, C] bool (centroids that stand for tokens:
-    only they set a channel's range)."""
+    only they set a channel's range); range_spans: consecutive spans sharing a range."""
     S, Hkv, C, D = cent.shape
     m = 8 // bits if bits in QUANT_BITS else 1
     if bits not in QUANT_BITS or D % m:
         raise ValueError(f"score_bits: {bits} bits per element needs head_dim ({D}) divisible by {m}; "
                          f"allowed: {sorted(QUANT_BITS)} or 16 (float16)")
     top = (1 << bits) - 1
+    range_of = torch.arange(S, device=cent.device) // range_spans
+    N = -(-S // range_spans)
     have = present[..., None]
-    lo = torch.where(have, cent, torch.inf).amin(dim=2)  # [S, Hkv, D]
-    hi = torch.where(have, cent, -torch.inf).amax(dim=2)
+    lo_span = torch.where(have, cent, torch.inf).amin(dim=2)  # [S, Hkv, D]
+    hi_span = torch.where(have, cent, -torch.inf).amax(dim=2)
+    lo = torch.full((N, Hkv, D), torch.inf, device=cent.device).scatter_reduce(
+        0, range_of[:, None, None].expand(S, Hkv, D), lo_span, "amin")
+    hi = torch.full((N, Hkv, D), -torch.inf, device=cent.device).scatter_reduce(
+        0, range_of[:, None, None].expand(S, Hkv, D), hi_span, "amax")
     lo16 = lo.half()
     step16 = ((hi - lo16.float()) / top).half()
-    step = step16.float()[:, :, None]
-    code = ((cent - lo16.float()[:, :, None]) / step.clamp(min=1e-30)).round().clamp(0, top)
+    step = step16.float()[range_of][:, :, None]
+    code = ((cent - lo16.float()[range_of][:, :, None]) / step.clamp(min=1e-30)).round().clamp(0, top)
     code = torch.where(step > 0, code, torch.zeros_like(code)).to(torch.uint8)
     code = code.view(S, Hkv, C, m, D // m).permute(0, 1, 3, 4, 2)  # [S, Hkv, m, Dm, C]
     packed = torch.zeros(S, Hkv, D // m, C, dtype=torch.uint8, device=code.device)
     for i in range(m):
         packed |= code[:, :, i] << (i * bits)
-    return CentroidCodes(packed.contiguous(), lo16, step16, bits)
+    return CentroidCodes(packed.contiguous(), lo16, step16, range_of, bits)
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,9 @@ class SpanKeys:
     span_len:   [S] int64
     centroid_k: [S, C, Hkv, D]  key centroids of each span, C >= 1 (float16; the summary keys' dtype
                                 when C = 0), or None when they are kept as `codes`
-    log_count:  [S, Hkv, C] float16  log of the tokens each centroid stands for (-inf: none)
+    stored_log_count: [S, Hkv, C] float16  log of the tokens each centroid stands for (-inf: none), or
+                                None when every centroid is one key (centroid c stands for token c of
+                                its span, if the span has one: `log_count`)
     codes:      the centroids at a few bits per element, or None
     of_summary: the one centroid of each span is its summary key (C = 0: nothing kept beside it)
     """
@@ -95,9 +108,22 @@ class SpanKeys:
     summary_k: torch.Tensor
     span_len: torch.Tensor
     centroid_k: torch.Tensor | None
-    log_count: torch.Tensor
+    stored_log_count: torch.Tensor | None
     codes: CentroidCodes | None = None
     of_summary: bool = False
+
+    @property
+    def log_count(self) -> torch.Tensor:
+        """[S, Hkv, C] float16: log of the tokens each centroid stands for (-inf: none)."""
+        if self.stored_log_count is not None:
+            return self.stored_log_count
+        if self.codes is not None:
+            S, Hkv, _, C = self.codes.codes.shape
+        else:
+            S, C, Hkv, _ = self.centroid_k.shape
+        one = torch.arange(C, device=self.span_len.device)[None, :] < self.span_len[:, None]  # [S, C]
+        logs = torch.zeros(S, C, dtype=torch.float16, device=one.device).masked_fill(~one, float("-inf"))
+        return logs[:, None].expand(S, Hkv, C)
 
     def centroids(self) -> torch.Tensor:
         """[S, C, Hkv, D] float32, dequantized where kept as codes."""
@@ -121,7 +147,8 @@ class SpanKeys:
             stored = self.codes.nbytes
         else:
             stored = 0 if self.of_summary else self.centroid_k.numel() * self.centroid_k.element_size()
-        return stored + self.log_count.numel() * self.log_count.element_size()
+        counts = self.stored_log_count
+        return stored + (0 if counts is None else counts.numel() * counts.element_size())
 
     def score(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Estimated log attention mass of each span: q [..., H, D] -> [..., H, S] float32."""
@@ -165,39 +192,48 @@ def concat_span_keys(parts: list[SpanKeys]) -> SpanKeys:
 
 def append_span_keys(first: SpanKeys, more: SpanKeys) -> SpanKeys:
     """The spans of `first`, then those of `more`, kept as they are (same centroid count and
-    storage: both float16 or both codes of the same bits)."""
+    storage: both float16 or both codes of the same bits); `more`'s spans keep their own quantization
+    ranges. The counts stay implied only where both imply them (spans no longer than the centroids)."""
     a, b = first.codes, more.codes
     if (first.log_count.shape[2] != more.log_count.shape[2] or (a is None) != (b is None)
             or (a is not None and a.bits != b.bits) or first.of_summary != more.of_summary):
         raise ValueError("append_span_keys: both must keep the same number of centroids the same way")
     codes = None if a is None else CentroidCodes(
-        torch.cat([a.codes, b.codes]), torch.cat([a.lo, b.lo]), torch.cat([a.step, b.step]), a.bits)
+        torch.cat([a.codes, b.codes]), torch.cat([a.lo, b.lo]), torch.cat([a.step, b.step]),
+        torch.cat([a.range_of, b.range_of + a.lo.shape[0]]), a.bits)
+    implied = first.stored_log_count is None and more.stored_log_count is None
+    counts = None if implied else torch.cat([first.log_count, more.log_count]).contiguous()
     return SpanKeys(
         torch.cat([first.summary_k, more.summary_k]), torch.cat([first.span_len, more.span_len]),
         None if codes is not None else torch.cat([first.centroid_k, more.centroid_k]),
-        torch.cat([first.log_count, more.log_count]), codes, first.of_summary,
+        counts, codes, first.of_summary,
     )
 
 
-def scoring_nbytes(num_centroids: int, bits: int, num_kv_heads: int, head_dim: int) -> int:
-    """Fast-tier bytes of one span's scoring centroids and counts (`SpanKeys.centroid_nbytes` per span)."""
+def scoring_nbytes(num_centroids: int, bits: int, num_kv_heads: int, head_dim: int, max_span: int,
+                   range_spans: int = 1) -> float:
+    """Fast-tier bytes of one span's scoring centroids and counts (`SpanKeys.centroid_nbytes` per span,
+    a range shared by `range_spans` spans counted in shares; spans of at most `max_span` tokens)."""
     Hkv, D, C = num_kv_heads, head_dim, num_centroids
     if C == 0:
         return Hkv * 2
+    counts = 0 if C >= max_span else Hkv * C * 2
     if bits == 16:
-        return C * Hkv * D * 2 + Hkv * C * 2
-    return Hkv * (D // (8 // bits)) * C + 2 * Hkv * D * 2 + Hkv * C * 2
+        return C * Hkv * D * 2 + counts
+    return Hkv * (D // (8 // bits)) * C + 2 * Hkv * D * 2 / range_spans + 8 + counts
 
 
 def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
-              num_centroids: int, bits: int = 16) -> SpanKeys:
+              num_centroids: int, bits: int = 16, range_spans: int = 1) -> SpanKeys:
     """k: [T, Hkv, D] prompt keys; summary_k: [S, Hkv, D]; num_centroids: C (0: the summary only);
-    bits: 16 keeps the centroids in float16, 2/4/8 as `CentroidCodes`.
+    bits: 16 keeps the centroids in float16, 2/4/8 as `CentroidCodes` with a range per `range_spans`
+    consecutive spans.
 
     Lloyd's k-means per span and KV head, a fixed number of iterations, started from farthest
     points (deterministic): an outlier key, the needle a query may look for, gets a centroid of its
     own instead of being averaged into its neighbours. Centroids are stored in float16 (they only
-    rank spans; half the fast-tier bytes of float32 keys).
+    rank spans; half the fast-tier bytes of float32 keys). With C at least every span's length each
+    key is its own centroid and the counts are implied, not stored.
     """
     S = span_len.numel()
     if num_centroids == 0 or S == 0:
@@ -209,7 +245,8 @@ def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor
     if C >= L:
         # every key is its own centroid (what k-means gives too, without its cost)
         cent = torch.nn.functional.pad(x, (0, 0, 0, C - L))
-        count = torch.nn.functional.pad(valid.float(), (0, C - L))[:, None].expand(S, Hkv, C)
+        present = torch.nn.functional.pad(valid, (0, C - L))[:, None].expand(S, Hkv, C)
+        log_count = None
     else:
         cent = _farthest_points(x, valid, C)
         member = valid[:, None, :, None]  # [S, 1, L, 1]
@@ -219,9 +256,10 @@ def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor
             count = one_hot.sum(dim=2)  # [S, Hkv, C]
             sums = torch.einsum("shlc,shld->shcd", one_hot, x)
             cent = torch.where(count[..., None] > 0, sums / count.clamp(min=1)[..., None], cent)
-    log_count = torch.log(count).half().contiguous()  # [S, Hkv, C]
+        present = count > 0
+        log_count = torch.log(count).half().contiguous()  # [S, Hkv, C]
     if bits != 16:
-        return SpanKeys(summary_k, span_len, None, log_count, quantize_centroids(cent, count > 0, bits))
+        return SpanKeys(summary_k, span_len, None, log_count, quantize_centroids(cent, present, bits, range_spans))
     return SpanKeys(summary_k, span_len, cent.permute(0, 2, 1, 3).half().contiguous(), log_count)
 
 

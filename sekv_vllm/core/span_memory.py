@@ -51,11 +51,11 @@ KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
     score_centroids: int = 0, score_bits: int = 16, key_gates: KeyGates | None = None,
-    store_rows: bool | None = None,
+    store_rows: bool | None = None, score_range_spans: int = 1,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
     score_centroids: key centroids per span for zoom scoring (0: the summary key alone), kept at
-    score_bits bits per element (16: float16).
+    score_bits bits per element (16: float16), one quantization range per score_range_spans spans.
     store_rows: the host pool keeps the spans' rows (True) or their factors (False); None: whichever
     takes fewer bytes.
 
@@ -85,7 +85,7 @@ def compress_layer(
     if bases_k is None:
         bases_k = bases_of(k)
     return LayerSpanMemory(
-        span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
+        span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits, score_range_spans),
         summary_v, bases_k, bases_of(v),
     )
 

@@ -42,10 +42,21 @@ class SpanCosts:
         """The costs for rows of `element_size` bytes per element (K and V of every KV head per row)."""
         return cls(2 * num_kv_heads * head_dim * element_size, num_kv_heads, head_dim, feature_bytes)
 
-    def span_rows(self, centroids: int, bits: int) -> float:
-        """What one span holds in the fast tier (summary row, centroids, features), in rows' worth of bytes."""
-        codes = scoring_nbytes(centroids, bits, self.num_kv_heads, self.head_dim)
+    def span_rows(self, centroids: int, config: SeKVConfig) -> float:
+        """What one span holds in the fast tier (summary row, centroids at the config's bits and ranges,
+        features), in rows' worth of bytes."""
+        codes = scoring_nbytes(centroids, config.score_bits, self.num_kv_heads, self.head_dim, config.max_span,
+                               config.score_range_spans)
         return 1.0 + (codes + self.feature_bytes) / self.row_bytes
+
+
+    def short_range_rows(self, centroids: int, config: SeKVConfig) -> float:
+        """What a stretch's last group of spans may hold beyond its spans' shares of their quantization range
+        (a group of one span holds a whole range), in rows' worth of bytes."""
+        if centroids == 0 or config.score_bits == 16:
+            return 0.0
+        whole = 2 * self.num_kv_heads * self.head_dim * 2
+        return whole * (1 - 1 / config.score_range_spans) / self.row_bytes
 
 
 @dataclass(frozen=True)
@@ -94,16 +105,18 @@ def plan_layout(surprisal: torch.Tensor, budget: float, config: SeKVConfig, cost
         return SpanPlan(layout, int(left), 0, True, 1.0)
     floor = budget - config.min_zoom_spans * config.max_span  # the most the layout may take from the zoom
     for centroids in centroid_ladder(config.score_centroids):
-        span_rows = costs.span_rows(centroids, config.score_bits)
-        layout = segment(budget=share, span_rows=span_rows)
-        if layout.fast_rows(span_rows) <= share:
-            return _spend(layout, budget, centroids, span_rows)
+        span_rows = costs.span_rows(centroids, config)
+        # spans are priced a share of their group's quantization range: the last group may be short
+        short = costs.short_range_rows(centroids, config)
+        layout = segment(budget=share - short, span_rows=span_rows)
+        if layout.fast_rows(span_rows) <= share - short:
+            return _spend(layout, budget - short, centroids, span_rows)
         fewest = segment(budget=0.0, span_rows=span_rows)  # every anchor demoted
-        if fewest.fast_rows(span_rows) <= floor:
-            return _spend(fewest, budget, centroids, span_rows)
+        if fewest.fast_rows(span_rows) <= floor - short:
+            return _spend(fewest, budget - short, centroids, span_rows)
     return _spend(layout, budget, centroids, span_rows)
 
 
 def _spend(layout: SpanLayout, budget: float, centroids: int, span_rows: float) -> SpanPlan:
-    """The plan of `layout`: what its spans and fixed rows leave of the budget goes to zoomed spans."""
+    """The plan of `layout`: what its spans and fixed rows leave of `budget` goes to zoomed spans."""
     return SpanPlan(layout, max(int(budget - layout.fast_rows(span_rows)), 0), centroids, False, span_rows)

@@ -43,7 +43,7 @@ class SpanCompression:
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
                                      None if mem.zoom_all else functools.partial(self.policy.key_gates, i),
-                                     store_rows=store_rows)
+                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans)
                 for i, (name, (k, v)) in enumerate(rows.items())}
 
     def _key_features(self, mem: RequestMemory, memories: dict[str, LayerSpanMemory]) -> int:

@@ -26,6 +26,7 @@ from sekv_vllm.runtime.request_state import RequestMemory
 
 _NO_FEATURES = torch.zeros(0, dtype=torch.float16)
 _NO_CODES = torch.zeros(0, dtype=torch.float16)
+_NO_RANGES = torch.zeros(0, dtype=torch.int64)
 _NO_QUERY_FEATURES = torch.zeros(0, 0, 0)
 _NO_NEW_ROWS = torch.zeros(0)
 _ROWS = torch.zeros(0)
@@ -66,7 +67,8 @@ class BatchSpans:
     @functools.cached_property
     def kernel_spans(self) -> dict[str, list[torch.Tensor] | int]:
         """The C++ kernel's per-request span inputs, by argument name: centroid_k holds the codes where keys
-        are quantized (centroid_lo, centroid_step then, empty lists otherwise), code_bits their bits."""
+        are quantized (centroid_lo, centroid_step, centroid_range then, empty lists otherwise), code_bits their
+        bits; log_count is empty where the counts are implied (every centroid one key)."""
         m = self.layers
         codes = [x.keys.codes for x in m]
         bits = max((c.bits for c in codes if c is not None), default=0)
@@ -74,9 +76,10 @@ class BatchSpans:
             "summary_k": [x.keys.summary_k for x in m], "summary_v": [x.summary_v for x in m],
             "span_len": [x.keys.span_len for x in m],
             "centroid_k": [x.keys.centroid_k if c is None else c.codes for x, c in zip(m, codes)],
-            "log_count": [x.keys.log_count for x in m],
+            "log_count": [_NO_CODES if x.keys.stored_log_count is None else x.keys.stored_log_count for x in m],
             "centroid_lo": [_NO_CODES if c is None else c.lo for c in codes] if bits else [],
             "centroid_step": [_NO_CODES if c is None else c.step for c in codes] if bits else [],
+            "centroid_range": [_NO_RANGES if c is None else c.range_of for c in codes] if bits else [],
             "code_bits": bits,
         }
 

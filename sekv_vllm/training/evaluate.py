@@ -18,7 +18,7 @@ from sekv_vllm.training.teacher import TeacherRecord
 
 @torch.no_grad()
 def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None, records: list[TeacherRecord],
-                    r_max: int, score_centroids: int, score_bits: int = 16) -> dict:
+                    r_max: int, score_centroids: int, score_bits: int = 16, score_range_spans: int = 1) -> dict:
     """router: whose gates rebuild the keys (None: exact rebuild); score_centroids: per span (0: summary),
     at score_bits bits per element.
     KL and agreement are also given per budget ratio of the records (`by_budget`)."""
@@ -31,7 +31,7 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
     for rec in records:
         if rec.layout.num_spans == 0:
             continue
-        mems = layer_memories(rec, r_max, score_centroids, score_bits)
+        mems = layer_memories(rec, r_max, score_centroids, score_bits, score_range_spans)
         for i in range(len(mems)):
             q = rec.q[i].float()  # teacher queries: what the policy sees at this layer
             zoom = hard_zoom(i, q, mems[i].keys, rec.zoom_budget)  # [Q, H, S]

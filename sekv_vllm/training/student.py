@@ -56,7 +56,8 @@ class LayerMemory:
         return self.keys.span_len
 
 
-def layer_memories(rec: TeacherRecord, r_max: int, score_centroids: int, score_bits: int = 16) -> list[LayerMemory]:
+def layer_memories(rec: TeacherRecord, r_max: int, score_centroids: int, score_bits: int = 16,
+                   score_range_spans: int = 1) -> list[LayerMemory]:
     layout = rec.layout
     T0 = rec.text.prompt_len
     fixed = torch.cat([layout.fixed_pos, torch.arange(layout.window_start, T0)])
@@ -71,7 +72,8 @@ def layer_memories(rec: TeacherRecord, r_max: int, score_centroids: int, score_b
         summary_k = summarize_spans(k[:T0], rec.surprisal, layout.span_start, layout.span_len)
         out.append(LayerMemory(
             k[fixed], v[fixed],
-            span_keys(k[:T0], summary_k, layout.span_start, layout.span_len, score_centroids, score_bits),
+            span_keys(k[:T0], summary_k, layout.span_start, layout.span_len, score_centroids, score_bits,
+                      score_range_spans),
             summarize_spans(v[:T0], rec.surprisal, layout.span_start, layout.span_len),
             coef, bases.basis.float(), valid, singular_values(bases),
             v[span_pos], span_of_rows(bases), k[T0:], v[T0:],

@@ -125,7 +125,8 @@ def train(config: TrainConfig, *, resume: bool, ship: bool, command: str) -> dic
             order = list(range(len(train_recs)))
             random.shuffle(order)
         rec = train_recs[order.pop()]
-        mems = layer_memories(rec, r_max, config.sekv.score_centroids, config.sekv.score_bits)
+        mems = layer_memories(rec, r_max, config.sekv.score_centroids, config.sekv.score_bits,
+                              config.sekv.score_range_spans)
         ramp = min(step / max(config.budget_ramp * config.steps, 1), 1.0)
         losses = router_losses(student_forward(lm, router, rec, mems, relaxed_topk=config.relaxed_topk,
                                                temperature=config.zoom_temperature), rec, mems,
@@ -151,9 +152,9 @@ def train(config: TrainConfig, *, resume: bool, ship: bool, command: str) -> dic
     router.requires_grad_(False)
     evaluation = {
         "router": evaluate_policy(lm, RouterPolicy(router), router, held_recs, r_max, config.sekv.score_centroids,
-                                  config.sekv.score_bits),
+                                  config.sekv.score_bits, config.sekv.score_range_spans),
         "span_score": evaluate_policy(lm, SpanScorePolicy(), None, held_recs, r_max, config.sekv.score_centroids,
-                                      config.sekv.score_bits),
+                                      config.sekv.score_bits, config.sekv.score_range_spans),
     }
     params = router.parameter_count()
     base_params = sum(p.numel() for p in lm.model.parameters())

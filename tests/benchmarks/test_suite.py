@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.suite.grid import EVAL_SEED_BASE, GridError, job_key, make_grid
 from benchmarks.suite.report import table
-from benchmarks.suite.run import averages, load_records, pending_jobs, summarize
+from benchmarks.suite.run import averages, headline, load_records, pending_jobs, summarize
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -129,6 +129,10 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
     assert "| task | tokens | full KV | sekv 0.25 | kvpress:snapkv 0.25 |" in text
     assert "| needle | ~1000 | 1.00 | 0.50 | 0.00 |" in text
     assert "Kept out of the averages" in text and "vt" in text.splitlines()[-1]
+    # the targets' figures for the default method, readable from the summary
+    head = headline(rows, avg, ["vllm", "sekv", "kvpress:snapkv"])
+    assert head == {"method": "sekv", "families": ["needle"], "fast_tier_fraction": {"0.25": 0.25},
+                    "ratio_to_full": {"0.25": pytest.approx(0.5)}, "lowest_cell_ratio_to_full": {"0.25": 0.5}}
 
 
 @pytest.mark.vllm

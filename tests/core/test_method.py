@@ -176,6 +176,19 @@ def test_appended_spans_equal_one_compression_of_both_stretches(store_rows):
         append_spans(joined, mixed_forms)
 
 
+def test_appended_spans_keep_their_own_quantization_ranges():
+    _, k, v, s = make_prompt(400, seed=7, rank=8)
+    a = segment_prompt(s[:250], window=0, alpha=1.0, l_min=4, max_span=32, theta=2.0)
+    b = segment_prompt(s[250:], window=0, alpha=1.0, l_min=4, max_span=32, first_anchor=False, theta=2.0)
+    args = dict(r_max=32, score_centroids=32, score_bits=2, score_range_spans=4)
+    first, more = compress_layer(k[:250], v[:250], a, s[:250], **args), compress_layer(k[250:], v[250:], b, s[250:], **args)
+    joined = append_spans(first, more).keys
+    ranges = first.keys.codes.lo.shape[0]
+    assert torch.equal(joined.codes.range_of, torch.cat([first.keys.codes.range_of, more.keys.codes.range_of + ranges]))
+    assert torch.equal(joined.centroids(), torch.cat([first.keys.centroids(), more.keys.centroids()]))
+    assert joined.stored_log_count is None and joined.centroid_nbytes == first.keys.centroid_nbytes + more.keys.centroid_nbytes
+
+
 @pytest.mark.parametrize("case", ["one_token", "shorter_than_window", "one_huge_span", "all_anchor"])
 def test_odd_prompts(case):
     T = {"one_token": 1, "shorter_than_window": 10, "one_huge_span": 1000, "all_anchor": 200}[case]

@@ -91,7 +91,9 @@ def test_quantized_keys_round_trip_within_half_a_step_and_count_their_bytes(bits
     half_step = coded.codes.step.float()[:, None] / 2 + 1e-3  # [S, 1, Hkv, D]
     assert (err <= half_step).all()
     S, C = layout.num_spans, 16
-    assert coded.centroid_nbytes == S * HKV * C * D * bits // 8 + 2 * S * HKV * D * 2 + S * C * HKV * 2
+    # codes, a range per span and its index; no counts (16 centroids: each key of a span of at most 16 its own)
+    assert coded.stored_log_count is None
+    assert coded.centroid_nbytes == S * HKV * C * D * bits // 8 + 2 * S * HKV * D * 2 + S * 8
     # more bits, closer to the exact span mass
     errors = [(span_keys(k, summary, layout.span_start, layout.span_len, 16, b).score(q, SCALE)
                - exact_span_mass(q, k, layout)).abs().mean() for b in (2, 4, 8)]
@@ -118,9 +120,31 @@ def test_unsupported_bits_are_refused_naming_the_field():
 
 
 @pytest.mark.parametrize("centroids,bits", [(0, 2), (0, 16), (4, 16), (8, 2), (32, 2), (32, 4), (32, 8), (32, 16)])
-def test_scoring_bytes_are_known_before_the_spans_are_made(centroids, bits):
+@pytest.mark.parametrize("range_spans", [1, 4])
+def test_scoring_bytes_are_known_before_the_spans_are_made(centroids, bits, range_spans):
     # the budget plan counts a span's scoring bytes before compressing: they must be what it then holds
+    # (a last group of spans shorter than range_spans holds a whole range: at most the rest of one)
     k, s, layout, _ = prompt(400, 4)
     summary = summarize_spans(k, s, layout.span_start, layout.span_len)
-    keys = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=centroids, bits=bits)
-    assert keys.centroid_nbytes == layout.num_spans * scoring_nbytes(centroids, bits, HKV, D)
+    keys = span_keys(k, summary, layout.span_start, layout.span_len, centroids, bits, range_spans)
+    planned = layout.num_spans * scoring_nbytes(centroids, bits, HKV, D, int(layout.span_len.max()), range_spans)
+    short = 0 if centroids == 0 or bits == 16 else 2 * HKV * D * 2 * (1 - 1 / range_spans)
+    assert planned <= keys.centroid_nbytes <= planned + short + 1e-6
+    # counts are stored only where a centroid may stand for several keys
+    assert (keys.stored_log_count is None) == (0 < centroids and centroids >= int(layout.span_len.max()))
+
+
+def test_spans_sharing_a_range_score_as_the_keys_within_its_steps():
+    k, s, layout, q = prompt(400, 4)
+    summary = summarize_spans(k, s, layout.span_start, layout.span_len)
+    C = int(layout.span_len.max())
+    exact = span_keys(k, summary, layout.span_start, layout.span_len, C)
+    shared = span_keys(k, summary, layout.span_start, layout.span_len, C, bits=4, range_spans=4)
+    codes = shared.codes
+    assert codes.lo.shape[0] == -(-layout.num_spans // 4) and torch.equal(codes.range_of, torch.arange(layout.num_spans) // 4)
+    present = (exact.log_count > float("-inf")).permute(0, 2, 1)[..., None]
+    err = (shared.centroids() - exact.centroid_k.float()).abs() * present
+    assert (err <= codes.step[codes.range_of].float()[:, None] / 2 + 1e-3).all()
+    # a range per span fits each span's keys at least as closely
+    own = span_keys(k, summary, layout.span_start, layout.span_len, C, bits=4)
+    assert (own.centroids() - exact.centroid_k.float()).abs().mul(present).mean() < err.mean()

@@ -42,7 +42,7 @@ CASES = {
     "span_score, 4 centroids": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=4),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
     # short spans: the budget holds fewer centroids per span, a different count for each request
-    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.26, r_max=8, max_span=16),
+    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.12, r_max=8, max_span=16),
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
@@ -87,7 +87,7 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     kernel = kernel_or_skip()
     rt = _runtime({"a": 800}, budget_ratio=0.25)
     no_spans = {name: [] for name in ("summary_k", "summary_v", "span_len", "centroid_k", "log_count", "centroid_lo",
-                                      "centroid_step", "key_features", "coef_k", "basis_k", "coef_v", "basis_v",
+                                      "centroid_step", "centroid_range", "key_features", "coef_k", "basis_k", "coef_v", "basis_v",
                                       "row_offset")}
     common = {"new_k": torch.zeros(0), "new_v": torch.zeros(0), "query_features": torch.zeros(0, 0, 0),
               "bias": torch.zeros(9), "threshold": torch.zeros(9), "scale": 0.1, "score_scale": 0.1}
@@ -95,14 +95,15 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
         kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
                            **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
                            zoom_all=torch.zeros(2, dtype=torch.bool), **common)
-    with pytest.raises(TypeError):  # named arguments only: 27 of them, several of one type
+    with pytest.raises(TypeError):  # named arguments only: 28 of them, several of one type
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
     args = dict(common, q=torch.zeros(1, 9, 64), row_pages=[rows.pages], page_table=[rows.table + rows.pages.shape[0]],
                 num_full=torch.tensor([rows.length]), summary_k=[m.summary_k], summary_v=[m.summary_v],
-                span_len=[m.span_len], centroid_k=[m.keys.codes.codes], log_count=[m.keys.log_count],
-                centroid_lo=[m.keys.codes.lo], centroid_step=[m.keys.codes.step], code_bits=2, key_features=[],
+                span_len=[m.span_len], centroid_k=[m.keys.codes.codes], log_count=[torch.zeros(0, dtype=torch.float16)],
+                centroid_lo=[m.keys.codes.lo], centroid_step=[m.keys.codes.step],
+                centroid_range=[m.keys.codes.range_of], code_bits=2, key_features=[],
                 coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
                 row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), zoom_all=torch.tensor([False]))
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
@@ -111,8 +112,14 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     args["num_full"] = torch.tensor([rows.capacity + 1])
     with pytest.raises(RuntimeError, match="num_full must be within the rows of page_table's pages"):
         kernel.span_decode(**args)
+    args["num_full"] = torch.tensor([rows.length])
+    codes = m.keys.codes
+    with pytest.raises(RuntimeError, match="centroid_range out of"):
+        kernel.span_decode(**dict(args, centroid_range=[codes.range_of + codes.lo.shape[0]]))
+    too_few = dict(args, centroid_k=[codes.codes[..., :4].contiguous()])  # 4 centroids: counts can't be implied
+    with pytest.raises(RuntimeError, match="log_count may be empty only"):
+        kernel.span_decode(**too_few)
     assert rt.requests["a"].zoom_budget > 0
-
 
 
 @pytest.mark.parametrize("path", ["cpp", "torch"])
