@@ -1,0 +1,41 @@
+"""SeKV's budget plan (runtime/span_budget.py): where a tight budget's bytes go."""
+import pytest
+import torch
+
+from sekv_vllm.config import SeKVConfig
+from sekv_vllm.runtime import SpanCosts, plan_layout
+
+COSTS = SpanCosts.of_rows(3, 64, 4, 18.0)  # the default model's float32 rows, the router's span scales
+
+
+def _surprisal(T: int) -> torch.Tensor:
+    return torch.rand(T, generator=torch.Generator().manual_seed(T)) ** 3 * 10
+
+
+@pytest.mark.parametrize("T", [1000, 2000, 4000, 8000])
+@pytest.mark.parametrize("ratio", [0.25, 0.125, 0.0625])
+def test_a_plan_stays_within_its_budget_and_spends_it(T, ratio):
+    config = SeKVConfig()
+    budget = ratio * T
+    plan = plan_layout(_surprisal(T), budget, config, COSTS)
+    short = COSTS.short_range_rows(plan.centroids, config)
+    assert plan.fast_rows + short <= budget
+    assert plan.fast_rows > budget - plan.layout.span_tokens / max(plan.layout.num_spans, 1) - 1 - short
+
+
+def test_a_tight_budget_takes_rows_from_the_zoom_before_the_scoring_codes():
+    config = SeKVConfig()
+    T = 4000
+    ample = plan_layout(_surprisal(T), 0.25 * T, config, COSTS)
+    tight = plan_layout(_surprisal(T), 0.125 * T, config, COSTS)
+    # at 25% the layout fits (1 - zoom_share) of the budget with every key's codes
+    assert ample.centroids == 32 and ample.zoom_budget >= 0.5 * 0.25 * T - 1
+    # at 12.5% every key's codes still: the zoom keeps less than its share, at least min_zoom_spans spans
+    assert tight.centroids == 32
+    assert config.min_zoom_spans * config.max_span <= tight.zoom_budget < 0.5 * 0.125 * T
+    # where every key's codes leave less than one span to zoom, the spans keep fewer centroids instead
+    tighter = plan_layout(_surprisal(T), 0.0625 * T, config, COSTS)
+    assert tighter.centroids < 32 and tighter.zoom_budget >= config.max_span
+    # a floor of more spans than the codes leave: centroids are cut rather than the zoom
+    greedy = plan_layout(_surprisal(T), 0.125 * T, SeKVConfig(min_zoom_spans=8), COSTS)
+    assert greedy.centroids < 32 and greedy.zoom_budget >= 0.5 * 0.125 * T - 1
