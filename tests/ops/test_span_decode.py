@@ -41,8 +41,10 @@ CASES = {
     "router, 4 centroids, rows": dict(budget_ratio=0.25, score_centroids=4),
     "span_score, 4 centroids": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=4),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
-    # short spans: the budget holds fewer centroids per span, a different count for each request
-    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.12, r_max=8, max_span=16),
+    # short spans: the budget holds fewer centroids per span, a different count for each request; a
+    # quantization range shared by 4 spans
+    "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.12, r_max=8, max_span=16,
+                                                                   score_range_spans=4),
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
