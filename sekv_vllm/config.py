@@ -90,7 +90,8 @@ class SeKVConfig(BaseModel):
         "them per span, KV head and channel (with score_centroids >= max_span: every key of the span at that width)")
     # 1, not 4: a range shared by 4 spans (128 tokens) saves 0.37 rows' worth of bytes per span but its
     # coarser 2-bit steps cost more accuracy than the bytes buy (needle 1K at a 12.5% fast tier, 6 samples:
-    # 0.50 vs 0.00 with every key as a centroid, 0.83 vs 0.33 with 16).
+    # a range per span, where the plan keeps 16 centroids, 0.50 and 0.83 in two runs; shared, 0.00 with
+    # every key a centroid, 0.33 with 16).
     score_range_spans: int = Field(
         1, ge=1, le=64, description="consecutive spans sharing each channel's quantization range of their scoring "
         "codes (score_bits < 16): a range costs 2 float16 per KV head and channel")
