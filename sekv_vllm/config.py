@@ -79,9 +79,9 @@ class SeKVConfig(BaseModel):
     # trades accuracy for a smaller host pool.
     max_span: int = Field(32, ge=2, le=4096, description="longer runs are split into pieces of at most this length")
     r_max: int = Field(32, ge=1, le=1024, description="rank cap of each span's SVD basis")
-    # Suite at a 12.5% budget (6 samples per cell): every key at 2 bits (32 centroids = max_span)
+    # Suite at a 12.5% row budget (6 samples per cell): every key at 2 bits (32 centroids = max_span)
     # ranks spans almost as exact keys do (router 95% of full KV's accuracy vs 64% with 4 float16
-    # centroids) for ~6% of full KV in fast-tier bytes.
+    # centroids) for ~4.7% of full KV in fast-tier bytes (codes and a range per channel and span).
     score_centroids: int = Field(
         32, ge=0, le=32, description="key centroids per span kept in the fast tier to score spans for zoom "
         "(k-means of the span's keys); 0: the summary key alone (q . k_bar / sqrt(D) + log|S|)")
