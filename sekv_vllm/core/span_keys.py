@@ -113,14 +113,16 @@ class SpanKeys:
     of_summary: bool = False
 
     @property
+    def num_centroids(self) -> int:
+        """C: the centroids kept per span (1 for the summary key alone)."""
+        return self.codes.codes.shape[3] if self.codes is not None else self.centroid_k.shape[1]
+
+    @property
     def log_count(self) -> torch.Tensor:
         """[S, Hkv, C] float16: log of the tokens each centroid stands for (-inf: none)."""
         if self.stored_log_count is not None:
             return self.stored_log_count
-        if self.codes is not None:
-            S, Hkv, _, C = self.codes.codes.shape
-        else:
-            S, C, Hkv, _ = self.centroid_k.shape
+        S, Hkv, C = self.num_spans, self.summary_k.shape[1], self.num_centroids
         one = torch.arange(C, device=self.span_len.device)[None, :] < self.span_len[:, None]  # [S, C]
         logs = torch.zeros(S, C, dtype=torch.float16, device=one.device).masked_fill(~one, float("-inf"))
         return logs[:, None].expand(S, Hkv, C)
@@ -195,7 +197,7 @@ def append_span_keys(first: SpanKeys, more: SpanKeys) -> SpanKeys:
     storage: both float16 or both codes of the same bits); `more`'s spans keep their own quantization
     ranges. The counts stay implied only where both imply them (spans no longer than the centroids)."""
     a, b = first.codes, more.codes
-    if (first.log_count.shape[2] != more.log_count.shape[2] or (a is None) != (b is None)
+    if (first.num_centroids != more.num_centroids or (a is None) != (b is None)
             or (a is not None and a.bits != b.bits) or first.of_summary != more.of_summary):
         raise ValueError("append_span_keys: both must keep the same number of centroids the same way")
     codes = None if a is None else CentroidCodes(
@@ -220,6 +222,7 @@ def scoring_nbytes(num_centroids: int, bits: int, num_kv_heads: int, head_dim: i
     counts = 0 if C >= max_span else Hkv * C * 2
     if bits == 16:
         return C * Hkv * D * 2 + counts
+    # codes, a share of the range's lo and step, the span's range index (int64)
     return Hkv * (D // (8 // bits)) * C + 2 * Hkv * D * 2 / range_spans + 8 + counts
 
 

@@ -49,7 +49,6 @@ class SpanCosts:
                                config.score_range_spans)
         return 1.0 + (codes + self.feature_bytes) / self.row_bytes
 
-
     def short_range_rows(self, centroids: int, config: SeKVConfig) -> float:
         """What a stretch's last group of spans may hold beyond its spans' shares of their quantization range
         (a group of one span holds a whole range), in rows' worth of bytes."""
