@@ -1,0 +1,172 @@
+"""Where a compressed prompt's prefill time goes, phase by phase, beside stock vLLM's prefill in the same run.
+
+    python -m benchmarks.perf.prefill_phases                        # 1K-8K, budget 0.25
+    python -m benchmarks.perf.prefill_phases --lengths 4000 --repeats 3
+
+For each backend (stock vLLM with plugins off, sekv) one engine in its own process. Per prompt length
+(distinct essay passages of exactly N tokens, one request alone, one output token: the time to its
+first token) the prefill is timed `--repeats` times plainly (the median is the figure; the ratio is
+sekv / stock) and once more under Python's cProfile, whose cumulative time per function splits it
+into sekv's phases: prompt-token surprisal (the model's logits of every prompt row), row capture
+(inside the attention), the plan (segmentation and the budget's split), span summaries, scoring
+codes, bases (factors or rows, with the router's key gates), router features, host-pool writes, the
+rows kept at full resolution, their placement into the engine's pages and the page plan that returns
+the rest; what is left is the model's forward and vLLM's own work. Shares are of the profiled run
+(the profiler slows Python-heavy phases more than torch's). Results:
+benchmarks/results/prefill_phases_cpu.json and prefill_phases.png.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
+from benchmarks.perf.run import essay_prompts
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+OUT = RESULTS / "prefill_phases_cpu.json"
+
+# phase -> the functions (file name, function name) whose cumulative time it is; disjoint call trees
+PHASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "surprisal": (("runner_bridge.py", "_record_surprisal"),),
+    "row capture": (("request_memory.py", "capture"),),
+    "plan (segmentation)": (("span_budget.py", "plan_layout"),),
+    "span summaries": (("span_summary.py", "summarize_spans"),),
+    "scoring codes": (("span_keys.py", "span_keys"),),
+    "router features": (("span_compression.py", "_key_features"),),
+    "host-pool writes": (("host_pool.py", "store"),),
+    "rows kept": (("span_compression.py", "_keep_rows"),),
+    "placement into pages": (("runner_bridge.py", "_place_rows"),),
+    "page plan": (("page_plans.py", "after_compression"),),
+}
+# `compress_layer`'s time beyond its summaries and scoring codes: the bases
+LAYER = ("span_memory.py", "compress_layer")
+COMPRESS = ("span_compression.py", "compress_prompt")
+REST = "model forward and vLLM"
+
+
+def cumulative(stats: dict, where: tuple[str, str]) -> tuple[float, int]:
+    """(cumulative seconds, calls) of the functions named `where` in pstats' raw stats
+    {(file, line, function): (primitive calls, calls, total time, cumulative time, callers)}."""
+    seconds, calls = 0.0, 0
+    for (path, _, name), (_, nc, _, ct, _) in stats.items():
+        if name == where[1] and path.endswith(where[0]):
+            seconds += ct
+            calls += nc
+    return seconds, calls
+
+
+def split_phases(stats: dict, total: float) -> dict[str, float]:
+    """Seconds per phase of one profiled prefill that took `total` seconds (phases absent: 0)."""
+    phases = {name: sum(cumulative(stats, w)[0] for w in where) for name, where in PHASES.items()}
+    layer, _ = cumulative(stats, LAYER)
+    phases["bases"] = max(layer - phases["span summaries"] - phases["scoring codes"], 0.0)
+    compress, _ = cumulative(stats, COMPRESS)
+    inside = ("plan (segmentation)", "span summaries", "scoring codes", "bases", "router features",
+              "host-pool writes", "rows kept")
+    phases["compression, other"] = max(compress - sum(phases[p] for p in inside), 0.0)
+    phases[REST] = max(total - sum(phases.values()), 0.0)
+    return phases
+
+
+def worker(spec: dict) -> dict:
+    from vllm import SamplingParams
+
+    sekv = spec["sekv"]
+    lengths, repeats = spec["lengths"], spec["repeats"]
+    llm = make_llm(spec["model"], sekv, max(lengths) + 64)
+    prompts = essay_prompts(llm.get_tokenizer(), max(lengths), len(lengths) * (repeats + 1) + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                            extra_args={"sekv_budget_ratio": spec["budget"]} if sekv is not None else None)
+
+    def prefill(ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    prefill(prompts[-1][:lengths[0]])  # warm-up: first-use compilation, allocations
+    rows, used = [], 0
+    for n in lengths:
+        plain = [prefill(prompts[used + i][:n]) for i in range(repeats)]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        profiled = prefill(prompts[used + repeats][:n])
+        profiler.disable()
+        used += repeats + 1
+        stats = pstats.Stats(profiler).stats
+        compressions = cumulative(stats, COMPRESS)[1]
+        if sekv is not None and compressions != 1:
+            raise RuntimeError(f"{n} tokens: the profiled prefill compressed {compressions} prompts, not 1")
+        rows.append({"length": n, "prefill_seconds": statistics.median(plain), "runs": plain,
+                     "profiled_seconds": profiled, "phases": split_phases(stats, profiled)})
+    return {"rows": rows}
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [REST, *[p for p in result["rows"][0]["sekv"]["phases"] if p != REST]]
+    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.9 * len(result["rows"])))
+    labels, y = [], 0
+    colors = plt.get_cmap("tab20").colors
+    for row in result["rows"]:
+        for backend in ("vllm", "sekv"):
+            run = row[backend]
+            # the profiled run's shares, scaled to the plain median (the time users see)
+            scale = run["prefill_seconds"] / run["profiled_seconds"]
+            left = 0.0
+            for i, name in enumerate(names):
+                width = run["phases"].get(name, 0.0) * scale
+                ax.barh(y, width, left=left, color=colors[i % len(colors)], label=name if y == 1 else None)
+                left += width
+            labels.append(f"{row['length']} {'stock' if backend == 'vllm' else 'sekv'}")
+            y += 1
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("prefill seconds (one request alone, to its first token)")
+    fig.legend(fontsize=7, ncol=5, loc="lower center")
+    fig.suptitle(f"{result['model']}: {result['command'].strip()}", fontsize=9)
+    fig.tight_layout(rect=(0, 1.0 / fig.get_figheight(), 1, 1))
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1000, 2000, 4000, 8000])
+    parser.add_argument("--repeats", type=int, default=2, help="plain timings per length (median)")
+    parser.add_argument("--budget", type=float, default=0.25, help="sekv budget_ratio")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    model = worker_or_model(args.worker, worker)
+    if model is None:
+        return 0
+    spec = {"model": model, "lengths": args.lengths, "repeats": args.repeats, "budget": args.budget}
+    runs = {backend: run_in_subprocess("benchmarks.perf.prefill_phases", {**spec, "sekv": sekv},
+                                       stock=backend == "vllm")
+            for backend, sekv in (("vllm", None), ("sekv", {}))}
+    rows = []
+    for i, n in enumerate(args.lengths):
+        stock, sekv = runs["vllm"]["rows"][i], runs["sekv"]["rows"][i]
+        rows.append({"length": n, "vllm": stock, "sekv": sekv,
+                     "prefill_time_ratio": sekv["prefill_seconds"] / stock["prefill_seconds"]})
+        print(f"{n} tokens: stock {stock['prefill_seconds']:.2f} s, sekv {sekv['prefill_seconds']:.2f} s "
+              f"({rows[-1]['prefill_time_ratio']:.2f}x)", flush=True)
+    result = {"command": command_line("benchmarks.perf.prefill_phases", argv), "model": Path(model).name,
+              "budget_ratio": args.budget, "rows": rows}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out} and {plot(result, args.out.with_name('prefill_phases.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
