@@ -1,9 +1,9 @@
 """Plots from the perf results: memory vs context length, decode throughput vs batch,
-requests running at once in one KV pool over time (capacity), and pages held as outputs grow
-(long_output).
+requests running at once in one KV pool over time (capacity), pages held as outputs grow
+(long_output), and prefill seconds per phase (prefill_phases).
 
     python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png,
-                                      #    long_output.png
+                                      #    long_output.png, prefill_phases.png
 """
 from __future__ import annotations
 
@@ -100,17 +100,51 @@ def plot_long_output(result: dict, folder: Path) -> Path:
     return _save(fig, None, folder / "long_output.png")
 
 
+def plot_prefill_phases(result: dict, folder: Path) -> Path:
+    """One bar per length and backend: its prefill split into phases (the profiled run's shares, scaled to the
+    plain median, the time users see)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.perf.prefill_phases import REST
+
+    names = [REST, *[p for p in result["rows"][0]["sekv"]["phases"] if p != REST]]
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * 2 * len(result["rows"])))
+    labels = []
+    for row in result["rows"]:
+        for backend in ("vllm", "sekv"):
+            run, y = row[backend], len(labels)
+            scale = run["prefill_seconds"] / run["profiled_seconds"]
+            left = 0.0
+            for i, name in enumerate(names):
+                width = run["phases"].get(name, 0.0) * scale
+                ax.barh(y, width, left=left, color=colors[i % len(colors)], label=name if y == 1 else None)
+                left += width
+            labels.append(f"{row['length']} {'stock' if backend == 'vllm' else 'sekv'}")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("prefill seconds (one request alone, to its first token)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, f"{result['model']}: {result['command'].strip()}", folder / "prefill_phases.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
     parser.add_argument("--capacity", type=Path, default=RESULTS / "capacity_cpu.json")
     parser.add_argument("--long-output", type=Path, default=RESULTS / "long_output_cpu.json")
+    parser.add_argument("--prefill-phases", type=Path, default=RESULTS / "prefill_phases_cpu.json")
     args = parser.parse_args()
     paths = plot(json.loads(args.results.read_text()), args.results.parent)
     if args.capacity.exists():
         paths.append(plot_capacity(json.loads(args.capacity.read_text()), args.capacity.parent))
     if args.long_output.exists():
         paths.append(plot_long_output(json.loads(args.long_output.read_text()), args.long_output.parent))
+    if args.prefill_phases.exists():
+        paths.append(plot_prefill_phases(json.loads(args.prefill_phases.read_text()), args.prefill_phases.parent))
     for path in paths:
         print(f"wrote {path}")
 

@@ -47,6 +47,9 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
 # `compress_layer`'s time beyond its summaries and scoring codes: the bases
 LAYER = ("span_memory.py", "compress_layer")
 COMPRESS = ("span_compression.py", "compress_prompt")
+# the phases inside `compress_prompt`: the rest of its time is "compression, other"
+IN_COMPRESS = ("plan (segmentation)", "span summaries", "scoring codes", "bases", "router features",
+               "host-pool writes", "rows kept")
 REST = "model forward and vLLM"
 
 
@@ -67,9 +70,7 @@ def split_phases(stats: dict, total: float) -> dict[str, float]:
     layer, _ = cumulative(stats, LAYER)
     phases["bases"] = max(layer - phases["span summaries"] - phases["scoring codes"], 0.0)
     compress, _ = cumulative(stats, COMPRESS)
-    inside = ("plan (segmentation)", "span summaries", "scoring codes", "bases", "router features",
-              "host-pool writes", "rows kept")
-    phases["compression, other"] = max(compress - sum(phases[p] for p in inside), 0.0)
+    phases["compression, other"] = max(compress - sum(phases[p] for p in IN_COMPRESS), 0.0)
     phases[REST] = max(total - sum(phases.values()), 0.0)
     return phases
 
@@ -107,38 +108,6 @@ def worker(spec: dict) -> dict:
     return {"rows": rows}
 
 
-def plot(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [REST, *[p for p in result["rows"][0]["sekv"]["phases"] if p != REST]]
-    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.9 * len(result["rows"])))
-    labels, y = [], 0
-    colors = plt.get_cmap("tab20").colors
-    for row in result["rows"]:
-        for backend in ("vllm", "sekv"):
-            run = row[backend]
-            # the profiled run's shares, scaled to the plain median (the time users see)
-            scale = run["prefill_seconds"] / run["profiled_seconds"]
-            left = 0.0
-            for i, name in enumerate(names):
-                width = run["phases"].get(name, 0.0) * scale
-                ax.barh(y, width, left=left, color=colors[i % len(colors)], label=name if y == 1 else None)
-                left += width
-            labels.append(f"{row['length']} {'stock' if backend == 'vllm' else 'sekv'}")
-            y += 1
-    ax.set_yticks(range(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("prefill seconds (one request alone, to its first token)")
-    fig.legend(fontsize=7, ncol=5, loc="lower center")
-    fig.suptitle(f"{result['model']}: {result['command'].strip()}", fontsize=9)
-    fig.tight_layout(rect=(0, 1.0 / fig.get_figheight(), 1, 1))
-    fig.savefig(path, dpi=110)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -164,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": command_line("benchmarks.perf.prefill_phases", argv), "model": Path(model).name,
               "budget_ratio": args.budget, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out} and {plot(result, args.out.with_name('prefill_phases.png'))}")
+    from benchmarks.perf.plot import plot_prefill_phases
+
+    print(f"wrote {args.out} and {plot_prefill_phases(result, args.out.parent)}")
     return 0
 
 
