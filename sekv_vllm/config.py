@@ -73,6 +73,11 @@ class SeKVConfig(BaseModel):
     min_zoom_spans: int = Field(
         1, ge=0, description="the zoom gives up its share of the budget down to this many spans' rows (max_span "
         "each) before the spans keep fewer scoring centroids (zoom_share is its share when the budget is ample)")
+    recall_keys: bool = Field(
+        True, description="spend the zoom rows a request's whole spans leave over on the best single keys of its "
+        "other spans (ranked by their scoring codes, one row each; a span's summary then stands for its tokens not "
+        "read); needs every key a scoring centroid (score_centroids >= max_span, as the budget allows); false: "
+        "whole spans only")
     alpha: float = Field(1.0, ge=-3.0, le=10.0, description="anchor threshold: mean + alpha * std of surprisal")
     l_min: int = Field(4, ge=1, le=64, description="runs shorter than this stay at full resolution")
     # At max_span <= r_max every span rebuilds exactly; a longer max_span or a smaller r_max

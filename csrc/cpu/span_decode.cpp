@@ -1,9 +1,10 @@
 // sekv's decode step on CPU for many compressed requests at once, one layer: score every span,
-// zoom the best spans within each request's budget, and attend full rows + summaries + zoomed
-// spans (through their low-rank factors) in one softmax per query head.
+// zoom the best spans within each request's budget, spend the rows they leave over on the best
+// single keys of the other spans, and attend full rows + summaries + the tokens read (through
+// their spans' low-rank factors) in one softmax per query head.
 //
 // Torch reference: SeKVRuntime.attend_batch's torch path (ZoomPolicy.span_scores,
-// segment_budgeted_zoom, batched_mixed_attention). Each (request, KV head) is computed on its
+// segment_budgeted_zoom, ZoomPolicy.key_scores, segment_key_recall, batched_mixed_attention). Each (request, KV head) is computed on its
 // own, in a fixed order, by one thread: a request's result does not depend on the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -367,6 +369,7 @@ struct Request {
   bool rows;  // the bases hold the span rows themselves (no basis)
   int64_t budget;
   bool zoom_all;
+  bool recall;  // the rows whole spans leave over go to single keys (every centroid one key)
 };
 
 // out[c] = log of the tokens centroid c of span s stands for (KV head kh), stored or implied (-inf: none).
@@ -412,9 +415,13 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // lists when no request has codes); log_count [S_b, Hkv, C_b] float16, or empty when every centroid is one key; key_features [S_b, H] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
-// |s| - 1); zoom_all [B] bool. query_features [B, H, D] float32 or empty: the learned term of span s
+// |s| - 1); zoom_all [B] bool; recall_keys: the rows a request's whole spans leave over go to the best single keys
+// of its other eligible spans, one row each (requests whose centroids are their keys: empty log_count), a key
+// scored as its centroid's logit plus what its span's score adds to their logsumexp, and a summary then stands for
+// its span's tokens not read. query_features [B, H, D] float32 or empty: the learned term of span s
 // for head h is (query_features[b, h] . summary_k[s, h / G]) * key_features[s, h]; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
-// Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, per request).
+// Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, recalled_keys [B] int64:
+// the single keys read, summed over KV heads, per request).
 std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& row_pages, const std::vector<torch::Tensor>& page_table,
     const torch::Tensor& num_full, const torch::Tensor& new_k, const torch::Tensor& new_v,
@@ -426,7 +433,7 @@ std::vector<torch::Tensor> span_decode(
     const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
     const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
     const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& zoom_all,
-    const torch::Tensor& query_features, const torch::Tensor& bias, const torch::Tensor& threshold,
+    bool recall_keys, const torch::Tensor& query_features, const torch::Tensor& bias, const torch::Tensor& threshold,
     double scale, double score_scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -551,11 +558,13 @@ std::vector<torch::Tensor> span_decode(
                 "keys and values must share the rank (rows: head_dim)");
     r.budget = budget_p[b];
     r.zoom_all = zoom_all_p[b];
+    r.recall = recall_keys && !r.zoom_all && r.log_count == nullptr;
     span_offset[b + 1] = span_offset[b] + r.num_spans;
   }
   auto out = torch::empty({B, H, D}, q.options());
   float* out_p = out.data_ptr<float>();
   std::vector<char> zoom_flags(span_offset[B] * Hkv, 0);  // [sum S_b, Hkv]: each task writes its own head
+  std::vector<int64_t> recalled_keys(B * Hkv, 0);  // [B, Hkv]: keys read one by one
   const float fscale = static_cast<float>(scale), fscore = static_cast<float>(score_scale);
 
   // Tasks differ in cost (prompt lengths, spans, zoomed rows): handed out one at a time, not in
@@ -565,11 +574,12 @@ std::vector<torch::Tensor> span_decode(
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, learned_term,
-        group, logits, scores, lse, sums, qb, acc;
+        group, logits, scores, lse, sums, qb, acc, key_logit, key_shift, rebuilt;
     const std::vector<float> zero_row(D, 0.f);
     std::vector<const float*> krows, vrows;
-    std::vector<uint64_t> order;
+    std::vector<uint64_t> order, picks;
     std::vector<char> zoomed;
+    std::vector<int64_t> key_span, key_token, span_read;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
@@ -593,6 +603,7 @@ std::vector<torch::Tensor> span_decode(
         scores.resize(S * G * C);
         lse.resize(S * G);
         sums.resize(S * G);
+        if (r.recall) key_logit.resize(S * G * C);
         const int64_t csize = r.centroid_half ? 2 : 4;
         if (r.code_bits) {
           const int64_t Dm = D * r.code_bits / 8;
@@ -622,6 +633,14 @@ std::vector<torch::Tensor> span_decode(
           code_dots(codes, qstep.data(), acc_c.data(), val.data(), Dm, C, std::min<int64_t>(C, (Ce + 15) / 16 * 16),
                     G, D, static_cast<int>(bits));
           for (int64_t g = 0; g < G; ++g) base[g] = dot(qg + g * D, cent.data(), D);
+          if (r.recall) {  // each key's logit, for the keys recalled one by one
+            for (int64_t g = 0; g < G; ++g) {
+              float* dst = key_logit.data() + (s * G + g) * C;
+              const float* a = acc_c.data() + g * C;
+              for (int64_t c = 0; c < Ce; ++c) dst[c] = (base[g] + a[c]) * fscore + lcount[c];
+              std::fill(dst + Ce, dst + C, kNegInf);
+            }
+          }
 #if defined(__AVX512F__)
           if (C % 16 == 0) {  // the logsumexp right away, from registers (but its log)
             for (int64_t g = 0; g < G; ++g) {
@@ -669,6 +688,7 @@ std::vector<torch::Tensor> span_decode(
         const bool lse_done = false;
 #endif
         if (!lse_done) {
+          if (r.recall && !r.code_bits) std::copy(sc, sc + SGC, key_logit.data());
           for (int64_t i = 0; i < SG; ++i) {
             float top = kNegInf;
 #pragma omp simd reduction(max : top)
@@ -700,18 +720,25 @@ std::vector<torch::Tensor> span_decode(
             }
           }
         }
+        if (r.recall) key_shift.assign(S * G, kNegInf);
         for (int64_t s = 0; s < S; ++s) {
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kh * G + g;
             float score = lse[s * G + g];
             if (learned) score += learned_term[g * S + s];
             score += bias_p[h];
-            if (score > thr_p[h]) group[s] = std::max(group[s], score);
+            if (score > thr_p[h]) {
+              group[s] = std::max(group[s], score);
+              // a key's score: its logit plus what the span's score adds to their logsumexp
+              if (r.recall) key_shift[s * G + g] = score - lse[s * G + g];
+            }
           }
         }
       }
       // 2. Zoom: spans by descending group score (ties: earlier span first) while the rows fit.
       zoomed.assign(S, r.zoom_all ? 1 : 0);
+      key_span.clear();
+      key_token.clear();
       if (!r.zoom_all) {
         // A max-heap of (score, span) keys, popped only as far as the budget goes (a few of S).
         order.resize(S);
@@ -721,22 +748,52 @@ std::vector<torch::Tensor> span_decode(
         for (auto end = order.end(); end != order.begin(); --end) {
           std::pop_heap(order.begin(), end);
           const int64_t s = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(*(end - 1)));
+          if (rows + r.span_len[s] - 1 > r.budget || group[s] == kNegInf) break;
           rows += r.span_len[s] - 1;
-          if (rows > r.budget || group[s] == kNegInf) break;
           zoomed[s] = 1;
         }
+        // 2b. The rows left over: the best single keys of the spans not zoomed (a key: its best eligible
+        // head's score), ties to the earlier key, one row each.
+        const int64_t left = r.budget - rows;
+        if (r.recall && left > 0) {
+          picks.clear();
+          for (int64_t s = 0; s < S; ++s) {
+            if (zoomed[s] || group[s] == kNegInf) continue;
+            for (int64_t c = 0; c < r.span_len[s]; ++c) {
+              float best = kNegInf;
+              for (int64_t g = 0; g < G; ++g) best = std::max(best, key_logit[(s * G + g) * C + c] + key_shift[s * G + g]);
+              if (best > kNegInf) picks.push_back(order_key(best, s * C + c));
+            }
+          }
+          const int64_t k = std::min<int64_t>(left, static_cast<int64_t>(picks.size()));
+          std::nth_element(picks.begin(), picks.begin() + k, picks.end(), std::greater<uint64_t>());
+          std::sort(picks.begin(), picks.begin() + k, [](uint64_t a, uint64_t b) {
+            return static_cast<uint32_t>(a) > static_cast<uint32_t>(b);  // by key index: span, then token
+          });
+          for (int64_t i = 0; i < k; ++i) {
+            const int64_t at = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(picks[i]));
+            key_span.push_back(at / C);
+            key_token.push_back(at % C);
+          }
+        }
       }
-      int64_t zoom_spans = 0, zoom_tokens = 0;
+      int64_t zoom_tokens = 0, summaries = 0;
+      const int64_t keys_read = static_cast<int64_t>(key_span.size());
+      recalled_keys[b * Hkv + kh] = keys_read;
+      span_read.assign(S, 0);
+      for (int64_t i = 0; i < keys_read; ++i) span_read[key_span[i]] += 1;
       for (int64_t s = 0; s < S; ++s) {
         if (zoomed[s]) {
           zoom_flags[(span_offset[b] + s) * Hkv + kh] = 1;
-          zoom_spans += 1;
           zoom_tokens += r.span_len[s];
+        } else if (span_read[s] < r.span_len[s]) {
+          summaries += 1;
         }
       }
       // 3. Logits of every row this KV head's queries attend: full rows, summaries of the spans
-      // not zoomed, zoomed tokens (their rows in place, or q . k = (q B^T) . c through the span's factors).
-      const int64_t n = r.num_full + (S - zoom_spans) + zoom_tokens;
+      // not zoomed (standing for their tokens not read), zoomed tokens and recalled keys (their rows in
+      // place, or q . k = (q B^T) . c through the span's factors for zoomed spans, keys rebuilt).
+      const int64_t n = r.num_full + summaries + zoom_tokens + keys_read;
       krows.clear();
       vrows.clear();
       for (int64_t i = 0; i < r.num_full; ++i) {
@@ -744,7 +801,7 @@ std::vector<torch::Tensor> span_decode(
         vrows.push_back(full_row(r, i, kh, true, Hkv, D));
       }
       for (int64_t s = 0; s < S; ++s) {
-        if (zoomed[s]) continue;
+        if (zoomed[s] || span_read[s] == r.span_len[s]) continue;
         krows.push_back(r.summary_k + (s * Hkv + kh) * D);
         vrows.push_back(r.summary_v + (s * Hkv + kh) * D);
       }
@@ -755,6 +812,25 @@ std::vector<torch::Tensor> span_decode(
           vrows.push_back(r.coef_v + ((r.row_offset[s] + t) * Hkv + kh) * D);
         }
       }
+      if (!r.rows) rebuilt.resize(2 * keys_read * D);
+      for (int64_t i = 0; i < keys_read; ++i) {
+        const int64_t s = key_span[i], row = (r.row_offset[s] + key_token[i]) * Hkv + kh;
+        if (r.rows) {
+          krows.push_back(r.coef_k + row * D);
+          vrows.push_back(r.coef_v + row * D);
+          continue;
+        }
+        // a recalled key's rows rebuilt from its span's factors: c B
+        float* k_row = rebuilt.data() + 2 * i * D;
+        float* v_row = k_row + D;
+        std::fill(k_row, k_row + 2 * D, 0.f);
+        for (int64_t j = 0; j < R; ++j) {
+          axpy(r.coef_k[row * R + j], r.basis_k + ((s * Hkv + kh) * R + j) * D, k_row, D);
+          axpy(r.coef_v[row * R + j], r.basis_v + ((s * Hkv + kh) * R + j) * D, v_row, D);
+        }
+        krows.push_back(k_row);
+        vrows.push_back(v_row);
+      }
       const int64_t direct = static_cast<int64_t>(krows.size());  // rows read in place
       while (krows.size() % 16) krows.push_back(zero_row.data());
       logits.resize(G * n);
@@ -762,11 +838,11 @@ std::vector<torch::Tensor> span_decode(
       acc.resize(G * R);
       row_logits(krows.data(), vrows.data(), direct, qg, G, D, fscale, logits.data(), n);
       {
-        // a summary stands for its span's |s| tokens
+        // a summary stands for its span's tokens not read
         int64_t at = r.num_full;
         for (int64_t s = 0; s < S; ++s) {
-          if (zoomed[s]) continue;
-          const float bias_len = std::log(static_cast<float>(r.span_len[s]));
+          if (zoomed[s] || span_read[s] == r.span_len[s]) continue;
+          const float bias_len = std::log(static_cast<float>(r.span_len[s] - span_read[s]));
           for (int64_t g = 0; g < G; ++g) logits[g * n + at] += bias_len;
           ++at;
         }
@@ -817,23 +893,27 @@ std::vector<torch::Tensor> span_decode(
     }
   }
   auto zoomed_spans = torch::zeros({B}, q.options().dtype(torch::kInt64));
+  auto recalled = torch::zeros({B}, q.options().dtype(torch::kInt64));
   int64_t* zs = zoomed_spans.data_ptr<int64_t>();
+  int64_t* rk = recalled.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t s = span_offset[b]; s < span_offset[b + 1]; ++s) {
       zs[b] += std::any_of(zoom_flags.begin() + s * Hkv, zoom_flags.begin() + (s + 1) * Hkv, [](char z) { return z; });
     }
+    rk[b] = std::accumulate(recalled_keys.begin() + b * Hkv, recalled_keys.begin() + (b + 1) * Hkv, int64_t{0});
   }
-  return {out, zoomed_spans};
+  return {out, zoomed_spans, recalled};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Named arguments only (keyword-only in Python): 27 of them, several of the same type.
+  // Named arguments only (keyword-only in Python): 29 of them, several of the same type.
   m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)", py::kw_only(),
         py::arg("q"), py::arg("row_pages"), py::arg("page_table"), py::arg("num_full"), py::arg("new_k"),
         py::arg("new_v"), py::arg("summary_k"), py::arg("summary_v"), py::arg("span_len"), py::arg("centroid_k"),
         py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("centroid_range"),
         py::arg("code_bits"),
         py::arg("key_features"), py::arg("coef_k"), py::arg("basis_k"), py::arg("coef_v"), py::arg("basis_v"),
-        py::arg("row_offset"), py::arg("budgets"), py::arg("zoom_all"), py::arg("query_features"), py::arg("bias"),
+        py::arg("row_offset"), py::arg("budgets"), py::arg("zoom_all"), py::arg("recall_keys"),
+        py::arg("query_features"), py::arg("bias"),
         py::arg("threshold"), py::arg("scale"), py::arg("score_scale"));
 }

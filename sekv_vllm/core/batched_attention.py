@@ -1,8 +1,9 @@
 """The mixed attention of many compressed requests' decode tokens at once, without rebuilding rows.
 
-Each request b attends, in one softmax, exactly what `mixed_attention` gives it: its
-full-resolution rows, one summary row per span (logit bias log|S|) and the token rows of the
-spans its heads zoomed into. A zoomed span's rows are never rebuilt here: with keys K = C B and
+Each request b attends, in one softmax, what `mixed_attention` gives it: its full-resolution
+rows, one summary row per span standing for the span's tokens not read (logit bias log of their
+count; none when every token is read) and the token rows its KV heads read: every token of a
+zoomed span, single keys recalled from others. A zoomed span's rows are never rebuilt here: with keys K = C B and
 values V = C_v B_v (coefficients C [L, R], basis B [R, D]),
     q K^T = (q B^T) C^T        and        p V = (p C_v) B_v,
 which costs R (D + L) per head instead of L R D to rebuild and L D to attend, and moves no rows.
@@ -20,45 +21,43 @@ def batched_mixed_attention(
     full_v: list[torch.Tensor],
     summary_k: torch.Tensor,
     summary_v: torch.Tensor,
-    span_len: torch.Tensor,
     seg: torch.Tensor,
-    zoom: torch.Tensor,
+    summary_count: torch.Tensor,
     pair_span: torch.Tensor,
     pair_head: torch.Tensor,
     coef_k: torch.Tensor,
     basis_k: torch.Tensor,
     coef_v: torch.Tensor,
     basis_v: torch.Tensor,
+    read: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """B requests, S spans of all of them (request by request), P zoomed (span, KV head) pairs.
+    """B requests, S spans of all of them (request by request), P (span, KV head) pairs with tokens read.
 
     q:                  [B, H, D]
     full_k, full_v:     B tensors [N_b, Hkv, D], N_b >= 1
     summary_k/v:        [S, Hkv, D]
-    span_len, seg:      [S] int64; seg = request of each span
-    zoom:               [S, H] bool  head h of the span's request attends it at token resolution
-    pair_span/head:     [P] int64 the (span, KV head) pairs some head of the group zoomed into
+    seg:                [S] int64 the request of each span
+    summary_count:      [S, Hkv] int64  the tokens each summary stands for (0: not attended)
+    pair_span/head:     [P] int64 the (span, KV head) pairs whose tokens are read
     coef_k, coef_v:     [P, L, R] float32, zero past each span's end
     basis_k, basis_v:   [P, R, D] float32
+    read:               [P, L] bool  the tokens each pair's heads attend
     returns             [B, H, D] float32
     """
     B, H, D = q.shape
     S, Hkv, _ = summary_k.shape
     G = H // Hkv
-    L = coef_k.shape[1]
     qg = q.float().view(B, Hkv, G, D)
     neg = float("-inf")
 
-    zoom_g = zoom.view(S, Hkv, G)
-    ls = torch.einsum("skgd,skd->skg", qg[seg], summary_k.float()) * scale + torch.log(span_len.float())[:, None, None]
-    ls = ls.masked_fill(zoom_g, neg)  # [S, Hkv, G]
-    # Zoomed pairs, indexed by (request, KV head) flattened to request * Hkv + head.
+    ls = torch.einsum("skgd,skd->skg", qg[seg], summary_k.float()) * scale + torch.log(summary_count.float())[..., None]
+    ls = ls.masked_fill((summary_count == 0)[..., None], neg)  # [S, Hkv, G]
+    # Pairs read, indexed by (request, KV head) flattened to request * Hkv + head.
     pseg = seg[pair_span] * Hkv + pair_head
     qp = qg.reshape(B * Hkv, G, D)[pseg]  # [P, G, D]
     lz = torch.matmul(torch.matmul(qp, basis_k.mT), coef_k.mT) * scale  # [P, G, L]
-    hidden = (~zoom_g[pair_span, pair_head])[..., None] | (torch.arange(L, device=span_len.device) >= span_len[pair_span][:, None])[:, None, :]
-    lz = lz.masked_fill(hidden, neg)
+    lz = lz.masked_fill(~read[:, None, :], neg)
     lf = [torch.matmul(qg[b], k.float().permute(1, 2, 0)) * scale for b, k in enumerate(full_k)]  # [Hkv, G, N_b]
 
     # Per request and head: the max over all three parts, then weights and their sum.

@@ -118,6 +118,11 @@ class SpanKeys:
         return self.codes.codes.shape[3] if self.codes is not None else self.centroid_k.shape[1]
 
     @property
+    def every_key_a_centroid(self) -> bool:
+        """Centroid c is token c of its span (counts implied): `centroid_logits_rows` ranks single keys."""
+        return self.stored_log_count is None
+
+    @property
     def log_count(self) -> torch.Tensor:
         """[S, Hkv, C] float16: log of the tokens each centroid stands for (-inf: none)."""
         if self.stored_log_count is not None:
@@ -165,12 +170,17 @@ class SpanKeys:
     def score_rows(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """`score` with one query per span (the query of the request the span belongs to):
         q [S, H, D] -> [S, H] float32."""
+        return torch.logsumexp(self.centroid_logits_rows(q, scale), dim=-1)
+
+    def centroid_logits_rows(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each centroid's term of `score_rows`, q . c * scale + log n_c (-inf where it stands for no
+        token): q [S, H, D] -> [S, H, C] float32. With every key a centroid, each key's estimated logit."""
         cent = self.centroids()
         S, C, Hkv, D = cent.shape
         qg = q.float().view(S, Hkv, -1, D)
         logits = torch.einsum("skgd,sckd->skgc", qg, cent) * scale
         logits = logits + self.log_count.float()[:, :, None, :]  # [S, Hkv, 1, C]
-        return torch.logsumexp(logits, dim=-1).reshape(S, -1)
+        return logits.reshape(S, -1, C)
 
 
 def concat_span_keys(parts: list[SpanKeys]) -> SpanKeys:

@@ -1,7 +1,7 @@
 """Zoom policies by name. Adding one: a file here, an entry in POLICIES, a row in the test matrix."""
 from __future__ import annotations
 
-from sekv_vllm.policies.base import QueryTerms, ZoomPolicy, budgeted_zoom, segment_budgeted_zoom
+from sekv_vllm.policies.base import QueryTerms, ZoomPolicy, budgeted_zoom, segment_budgeted_zoom, segment_key_recall
 from sekv_vllm.policies.router import RouterPolicy
 from sekv_vllm.policies.span_score import SpanScorePolicy
 from sekv_vllm.router import ModelShape, load_router, resolve_weights, shipped_weights
@@ -36,4 +36,5 @@ def make_policy(name: str, *, shape: ModelShape | None = None, model_name: str =
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "QueryTerms", "RouterPolicy", "SpanScorePolicy", "ZoomPolicy", "budgeted_zoom", "choose_policy", "make_policy", "segment_budgeted_zoom"]
+__all__ = ["POLICIES", "QueryTerms", "RouterPolicy", "SpanScorePolicy", "ZoomPolicy", "budgeted_zoom", "choose_policy", "make_policy", "segment_budgeted_zoom",
+           "segment_key_recall"]

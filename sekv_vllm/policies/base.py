@@ -41,6 +41,40 @@ def segment_budgeted_zoom(score: torch.Tensor, seg: torch.Tensor, span_len: torc
     return take.repeat_interleave(G, dim=1)
 
 
+def segment_key_recall(key_score: torch.Tensor, seg: torch.Tensor, span_len: torch.Tensor, zoom: torch.Tensor,
+                       budgets: torch.Tensor, num_kv_heads: int, eligible: torch.Tensor | None,
+                       per_key: torch.Tensor) -> torch.Tensor:
+    """Per request and KV head, the zoom rows whole spans leave over, spent on the best single keys of
+    the spans not zoomed (one row each), by descending score (ties: earlier span, then earlier key).
+
+    key_score: [S, H, C] float  each key's share of its span's score (`ZoomPolicy.key_scores`)
+    seg, span_len: [S] int64; zoom [S, H] bool (`segment_budgeted_zoom`); budgets [B] int64
+    eligible:  [S, H] bool or None: a key counts for the heads its span is eligible for
+    per_key:   [S] bool  spans whose centroids are their keys (others recall none)
+    returns    read [S, Hkv, C] bool: keys read at full resolution (the same for a KV group's heads)
+    """
+    S, H, C = key_score.shape
+    Hkv, G = num_kv_heads, H // num_kv_heads
+    if eligible is not None:
+        key_score = key_score.masked_fill(~eligible[..., None], float("-inf"))
+    group = key_score.view(S, Hkv, G, C).amax(dim=2)  # [S, Hkv, C]
+    whole = zoom.view(S, Hkv, G)[:, :, 0]
+    present = torch.arange(C, device=seg.device)[None, :] < span_len[:, None]  # [S, C]
+    group = group.masked_fill(~(present[:, None, :] & ~whole[..., None] & per_key[:, None, None]), float("-inf"))
+    used = torch.zeros(budgets.numel(), Hkv, dtype=torch.int64, device=seg.device).index_add_(
+        0, seg, whole.long() * (span_len - 1)[:, None])
+    left = budgets[:, None] - used  # [B, Hkv]
+    flat = group.permute(0, 2, 1).reshape(S * C, Hkv)  # key (s, c) at s * C + c
+    key_seg = seg.repeat_interleave(C)
+    by_score = torch.argsort(flat, dim=0, descending=True, stable=True)
+    order = by_score.gather(0, torch.argsort(key_seg[by_score], dim=0, stable=True))
+    first = torch.searchsorted(key_seg, key_seg, right=False)  # each key's request's first key
+    rank = torch.arange(S * C, device=seg.device)[:, None] - first[:, None]
+    take = (rank < left[key_seg]) & (flat.gather(0, order) > float("-inf"))
+    read = torch.zeros_like(take).scatter(0, order, take)
+    return read.view(S, C, Hkv).permute(0, 2, 1)
+
+
 def budgeted_zoom(score: torch.Tensor, span_len: torch.Tensor, zoom_budget: int, num_kv_heads: int,
                   eligible: torch.Tensor | None = None) -> torch.Tensor:
     """`segment_budgeted_zoom` for one request: score, eligible [H, S] -> zoom [H, S] bool."""
@@ -99,11 +133,24 @@ class ZoomPolicy(ABC):
         """Fast-tier bytes of one span's `key_features` in `layer` (0: none), known before any span is made."""
         return 0
 
+    def key_scores(self, layer: int, q: torch.Tensor, seg: torch.Tensor, keys: SpanKeys, score: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """Each centroid's share of its span's score: [S, H, C], its logit (`SpanKeys.centroid_logits_rows`)
+        plus the terms the span's score adds to their logsumexp (the learned term, the bias). score: this
+        step's `span_scores`."""
+        logits = keys.centroid_logits_rows(q[seg], self.centroid_scale(scale))
+        return logits + (score - torch.logsumexp(logits, dim=-1))[..., None]
+
+    def centroid_scale(self, scale: float) -> float:
+        """The factor of q . c in a span's score (`QueryTerms.score_scale`); scale: the attention's."""
+        return scale
+
     def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
         """The query side of `span_scores` for the C++ kernel: q [B, H, D]. Must score exactly as
         `span_scores` does (tests compare the two paths)."""
         H = q.shape[1]
-        return QueryTerms(None, torch.zeros(H, device=q.device), torch.full((H,), float("-inf"), device=q.device), scale)
+        return QueryTerms(None, torch.zeros(H, device=q.device), torch.full((H,), float("-inf"), device=q.device),
+                          self.centroid_scale(scale))
 
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
         """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""

@@ -39,11 +39,14 @@ class RouterPolicy(ZoomPolicy):
     def span_feature_nbytes(self, layer: int) -> int:
         return self.router.shape.num_heads * 2  # [H] float16
 
+    def centroid_scale(self, scale: float) -> float:
+        return 1 / math.sqrt(self.router.shape.head_dim)
+
     @torch.no_grad()
     def query_terms(self, layer: int, q: torch.Tensor, scale: float) -> QueryTerms:
         r = self.router
         return QueryTerms(r.query_features(layer, q).contiguous(), r.bias[layer].float().contiguous(),
-                          r.threshold_logit(layer).float().contiguous(), 1 / math.sqrt(r.shape.head_dim))
+                          r.threshold_logit(layer).float().contiguous(), self.centroid_scale(scale))
 
     @torch.no_grad()
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ class RequestMemory:
     suspended: bool = False
     decode_calls: int = 0
     zoomed_spans_total: int = 0
+    recalled_keys_total: int = 0
     figures: CompressionFigures | None = None
     # COMPRESSED: the state a method other than SeKV keeps for the request (e.g. quest's `SelectedPages`).
     method_state: object | None = None
@@ -100,6 +101,8 @@ def running_figures(mem: RequestMemory, num_layers: int, host_pool_bytes_now: in
         mem.figures.as_dict(),
         decode_steps=mem.decode_calls // max(num_layers, 1),
         mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
+        # single keys read per layer and step, over the KV heads (SeKV's zoom rows whole spans leave over)
+        mean_recalled_keys=mem.recalled_keys_total / max(mem.decode_calls, 1),
         output_spans=mem.output_spans,
         output_span_tokens=mem.output_span_tokens,
         output_anchor_and_short_tokens=mem.output_fixed_tokens,

@@ -2,8 +2,9 @@
 
 Each request gets its own mixed attention, whatever else decodes with it (bit for bit). The C++
 kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch path (its
-reference) scores with `ZoomPolicy.span_scores`, zooms with `segment_budgeted_zoom` and attends
-zoomed spans through their factors (`batched_mixed_attention`). A batch's per-request inputs
+reference) scores with `ZoomPolicy.span_scores`, zooms with `segment_budgeted_zoom`, spends the zoom
+rows whole spans leave over on single keys (`segment_key_recall`, where every key is a scoring
+centroid) and attends the tokens read through their spans' factors (`batched_mixed_attention`). A batch's per-request inputs
 (`BatchSpans`) are gathered once per layer and reused while its requests stay the same
 (continuous batching changes them only when one joins or ends).
 """
@@ -19,7 +20,7 @@ import torch
 from sekv_vllm.core import LayerSpanMemory, SpanKeys, concat_span_keys
 from sekv_vllm.core.batched_attention import batched_mixed_attention
 from sekv_vllm.core.low_rank import SpanBases, span_factors
-from sekv_vllm.policies import ZoomPolicy, segment_budgeted_zoom
+from sekv_vllm.policies import ZoomPolicy, segment_budgeted_zoom, segment_key_recall
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory
@@ -37,13 +38,24 @@ def _basis(bases: SpanBases) -> torch.Tensor:
     return bases.basis if bases.factored else _ROWS
 
 
+@dataclass(frozen=True)
+class DecodeCounts:
+    """One layer's decode attention of a batch: out [B, H, D] float32; zoomed [B] int64 the spans some KV
+    head read whole, recalled [B] int64 the single keys read (summed over KV heads), per request."""
+
+    out: torch.Tensor
+    zoomed: torch.Tensor
+    recalled: torch.Tensor
+
+
 @dataclass
 class BatchSpans:
     """The spans of one layer of the requests decoding together, one request after another.
 
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom rows per
-    KV head; zoom_all [B] bool. `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
+    KV head; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its request
+    recalls keys and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
     (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each
     is made on first use.
     """
@@ -54,6 +66,7 @@ class BatchSpans:
     seg: torch.Tensor
     budgets: torch.Tensor
     zoom_all: torch.Tensor
+    per_key: torch.Tensor
     span_offset: list[int]
 
     @functools.cached_property
@@ -93,12 +106,14 @@ class BatchSpans:
 
 
 class SpanDecoder:
-    """The batch's spans per layer (cached) and their attention; max_span pads the torch path's factors."""
+    """The batch's spans per layer (cached) and their attention; max_span pads the torch path's factors;
+    recall_keys: spend the zoom rows whole spans leave over on single keys (`SeKVConfig.recall_keys`)."""
 
-    def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int) -> None:
+    def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int, recall_keys: bool) -> None:
         self.policy = policy
         self.pool = pool
         self.max_span = max_span
+        self.recall_keys = recall_keys
         # Per layer, the spans of the last batch that decoded.
         self._cache: dict[str, BatchSpans] = {}
 
@@ -127,39 +142,58 @@ class SpanDecoder:
             seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
+            per_key=torch.repeat_interleave(
+                torch.tensor([self.recall_keys and m.keys.every_key_a_centroid for m in layers]),
+                torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
         )
         self._cache[layer_name] = batch
         return batch
 
     def attend_kernel(self, kernel: ModuleType, batch: BatchSpans, layer: int, q: torch.Tensor, rows: list[PagedRows],
-                      new_k: torch.Tensor | None, new_v: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      new_k: torch.Tensor | None, new_v: torch.Tensor | None, scale: float) -> DecodeCounts:
         """The C++ kernel: q [B, H, D], each request's rows (room made for new_k, new_v [B, Hkv, D], which
-        it writes in place) -> (out [B, H, D] float32, zoomed spans [B] int64)."""
+        it writes in place) -> out [B, H, D] float32 and what each request read."""
         terms = self.policy.query_terms(layer, q, scale)
         learned = terms.features is not None
-        return kernel.span_decode(
+        out, zoomed, recalled = kernel.span_decode(
             q=q.float().contiguous(), row_pages=[b.pages for b in rows], page_table=[b.table for b in rows],
             num_full=torch.tensor([b.length for b in rows], dtype=torch.int64),
             new_k=_NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
             new_v=_NO_NEW_ROWS if new_v is None else new_v.float().contiguous(),
             **batch.kernel_spans, **batch.kernel_bases,
             key_features=list(batch.features) if learned else [], budgets=batch.budgets, zoom_all=batch.zoom_all,
+            recall_keys=self.recall_keys,
             query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
             threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
         )
+        return DecodeCounts(out, zoomed, recalled)
 
     def attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,
-                     full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch path (the kernel's reference): full [B] (k, v) [n, Hkv, D] each request's rows ->
-        (out [B, H, D] float32, zoom [S, Hkv] bool)."""
-        score, eligible = self.policy.span_scores(layer, q, batch.seg, batch.keys, scale)
-        Hkv, D = batch.keys.summary_k.shape[1:]
-        zoom = segment_budgeted_zoom(score, batch.seg, batch.keys.span_len, batch.budgets, Hkv, eligible)
+                     full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> DecodeCounts:
+        """The torch path (the kernel's reference): full [B] (k, v) [n, Hkv, D] each request's rows."""
+        keys = batch.keys
+        score, eligible = self.policy.span_scores(layer, q, batch.seg, keys, scale)
+        Hkv, D = keys.summary_k.shape[1:]
+        B = len(batch.req_ids)
+        zoom = segment_budgeted_zoom(score, batch.seg, keys.span_len, batch.budgets, Hkv, eligible)
         zoom |= batch.zoom_all[batch.seg][:, None]
-        # The factors of every zoomed (span, KV head) pair; no row is rebuilt: the attention works
+        whole = zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]  # [S, Hkv]
+        L = self.max_span
+        span_tokens = torch.arange(L, device=q.device)[None, :] < keys.span_len[:, None]  # [S, L]
+        read = whole[..., None] & span_tokens[:, None, :]  # [S, Hkv, L]
+        recalled = torch.zeros(B, dtype=torch.int64, device=q.device)
+        per_key = batch.per_key & ~batch.zoom_all[batch.seg]
+        if bool(per_key.any()):
+            key_score = self.policy.key_scores(layer, q, batch.seg, keys, score, scale)
+            keys_read = segment_key_recall(key_score, batch.seg, keys.span_len, zoom, batch.budgets, Hkv, eligible,
+                                           per_key)
+            read |= torch.nn.functional.pad(keys_read, (0, max(L - keys_read.shape[2], 0)))[..., :L]
+            recalled.index_add_(0, batch.seg, keys_read.sum(dim=(1, 2)))
+        summary_count = keys.span_len[:, None] - read.sum(dim=2)  # [S, Hkv]
+        # The factors of every (span, KV head) pair with tokens read; no row is rebuilt: the attention works
         # on them (`batched_mixed_attention`).
-        pair_span, pair_head = torch.nonzero(zoom.view(zoom.shape[0], Hkv, -1).any(dim=2), as_tuple=True)
+        pair_span, pair_head = torch.nonzero(read.any(dim=2), as_tuple=True)
         pair_req = batch.seg[pair_span]
         parts = []
         for i in torch.unique(pair_req).tolist():
@@ -169,14 +203,14 @@ class SpanDecoder:
             # Padded to the largest possible span and rank (D: bases kept as rows are the
             # coefficients of the identity basis), not this batch's: a request's result then does
             # not depend on which others decode with it.
-            L, R = self.max_span, D
-            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, R) for m, s_, h in parts)))
-            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, R) for m, s_, h in parts)))
+            coef_k, basis_k = (torch.cat(t) for t in zip(*(span_factors(m.bases_k, s_, h, L, D) for m, s_, h in parts)))
+            coef_v, basis_v = (torch.cat(t) for t in zip(*(span_factors(m.bases_v, s_, h, L, D) for m, s_, h in parts)))
         else:
-            coef_k = coef_v = torch.zeros(0, 1, 1)
+            coef_k = coef_v = torch.zeros(0, L, 1)
             basis_k = basis_v = torch.zeros(0, 1, D)
         out = batched_mixed_attention(
-            q, [k for k, _ in full], [v for _, v in full], batch.keys.summary_k, batch.summary_v,
-            batch.keys.span_len, batch.seg, zoom, pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, scale,
+            q, [k for k, _ in full], [v for _, v in full], keys.summary_k, batch.summary_v, batch.seg, summary_count,
+            pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, read[pair_span, pair_head], scale,
         )
-        return out, zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]
+        zoomed = torch.zeros(B, dtype=torch.int64, device=q.device).index_add_(0, batch.seg, whole.any(dim=1).long())
+        return DecodeCounts(out, zoomed, recalled)

@@ -51,7 +51,7 @@ class SpanRunner(MethodRunner):
         self.policy: ZoomPolicy = make_policy(config.zoom_policy, shape=shape, model_name=model_name,
                                               router_weights=config.router_weights)
         self.compression = SpanCompression(config, layer_names, self.policy, pool, OWN_BLOCK)
-        self.spans = SpanDecoder(self.policy, pool, config.max_span)
+        self.spans = SpanDecoder(self.policy, pool, config.max_span, config.recall_keys)
         self.kernel: ModuleType | None = load_kernel(config.decode_kernel)
 
     @property
@@ -80,16 +80,15 @@ class SpanRunner(MethodRunner):
         layer = self.layer_index[layer_name]
         if self.kernel is not None:
             rows = [m.rows[layer_name] for m in mems]
-            out, zoomed = self.spans.attend_kernel(self.kernel, batch, layer, q, rows, new_k, new_v, scale)
+            got = self.spans.attend_kernel(self.kernel, batch, layer, q, rows, new_k, new_v, scale)
         else:
             full = [m.rows[layer_name].view() for m in mems]
-            out, zoom = self.spans.attend_torch(batch, layer, q, full, scale)
-            zoomed = torch.zeros(len(mems), dtype=torch.int64, device=q.device).index_add_(
-                0, batch.seg, zoom.any(dim=1).long())
-        for mem, c in zip(mems, zoomed.tolist()):
+            got = self.spans.attend_torch(batch, layer, q, full, scale)
+        for mem, zoomed, recalled in zip(mems, got.zoomed.tolist(), got.recalled.tolist()):
             mem.decode_calls += 1
-            mem.zoomed_spans_total += c
-        return out
+            mem.zoomed_spans_total += zoomed
+            mem.recalled_keys_total += recalled
+        return got.out
 
     def window_due(self, mem: RequestMemory) -> bool:
         return self.compression.window_due(mem)

@@ -48,6 +48,15 @@ CASES = {
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
+    # the rows whole spans leave over go to single keys; at 12.5% "a" keeps 16 centroids (no keys recalled)
+    # beside "b", which keeps every key
+    "router, every key at 2 bits, keys recalled": dict(budget_ratio=0.15, score_centroids=32),
+    "router, 12.5%, keys recalled beside a request that cannot": dict(budget_ratio=0.125),
+    "router, every key at 2 bits, whole spans only": dict(budget_ratio=0.15, score_centroids=32, recall_keys=False),
+    # recalled keys rebuilt from their spans' factors
+    "span_score, low-rank factors, every key at 4 bits, keys recalled": dict(
+        budget_ratio=0.25, zoom_policy="span_score", r_max=8, score_centroids=32, score_bits=4),
+    "router, every key in float16, keys recalled": dict(budget_ratio=0.7, score_centroids=32, score_bits=16),
     # head_dim 32 and 4 query heads per KV head: the kernel's scalar paths (its vector paths take 64 and 128)
     "span_score, every key at 2 bits, head_dim 32": dict(
         budget_ratio=0.25, zoom_policy="span_score", score_centroids=32, score_bits=2,
@@ -63,14 +72,14 @@ def test_kernel_matches_the_torch_path(case):
     rt = _runtime(prompts, **CASES[case])
     # each case decodes the scoring codes it names (the budget holds them)
     kept = [rt.requests[r].score_centroids for r in ("a", "b")]
-    assert kept == [rt.config.score_centroids] * 2 if "score_centroids" in CASES[case] else 0 < kept[0] < kept[1] < 32
+    assert kept == [rt.config.score_centroids] * 2 if "score_centroids" in CASES[case] else 0 < kept[0] < kept[1] <= 32
     rt.requests["c"].zoom_all = True
     rt.sekv.spans.clear()
     shape = CASES[case].get("shape", SHAPE)
     q = torch.randn(3, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(4)) * 2
     ids = list(prompts)
-    def zoomed() -> list[int]:
-        return [rt.requests[r].zoomed_spans_total for r in ids]
+    def zoomed() -> list[tuple[int, int]]:
+        return [(rt.requests[r].zoomed_spans_total, rt.requests[r].recalled_keys_total) for r in ids]
 
     for name in LAYERS:
         before = zoomed()
@@ -80,9 +89,15 @@ def test_kernel_matches_the_torch_path(case):
         out = rt.attend_batch(ids, name, q, 0.125)
         rt.sekv.kernel = None
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
-        # as many spans zoomed by each path
-        assert [m - b for m, b in zip(mid, before)] == [a - m for a, m in zip(zoomed(), mid)]
+        # as many spans zoomed and keys recalled by each path
+        assert [(m[0] - b[0], m[1] - b[1]) for m, b in zip(mid, before)] == \
+            [(a[0] - m[0], a[1] - m[1]) for a, m in zip(zoomed(), mid)]
     assert rt.requests["b"].zoomed_spans_total > 0 and rt.requests["c"].zoomed_spans_total > 0
+    # keys are recalled where every key is a scoring centroid and recall is on, never for a request that zooms all
+    for r in ("a", "b"):
+        recalls = rt.config.recall_keys and rt.requests[r].score_centroids >= rt.config.max_span
+        assert (rt.requests[r].recalled_keys_total > 0) == recalls, r
+    assert rt.requests["c"].recalled_keys_total == 0
 
 
 def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
@@ -96,8 +111,8 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     with pytest.raises(RuntimeError, match="every per-request list"):
         kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
                            **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
-                           zoom_all=torch.zeros(2, dtype=torch.bool), **common)
-    with pytest.raises(TypeError):  # named arguments only: 28 of them, several of one type
+                           zoom_all=torch.zeros(2, dtype=torch.bool), recall_keys=True, **common)
+    with pytest.raises(TypeError):  # named arguments only: 29 of them, several of one type
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
@@ -107,7 +122,8 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
                 centroid_lo=[m.keys.codes.lo], centroid_step=[m.keys.codes.step],
                 centroid_range=[m.keys.codes.range_of], code_bits=2, key_features=[],
                 coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
-                row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), zoom_all=torch.tensor([False]))
+                row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), zoom_all=torch.tensor([False]),
+                recall_keys=True)
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
         kernel.span_decode(**args)
     args["page_table"] = [rows.table]
