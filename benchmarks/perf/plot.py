@@ -1,9 +1,9 @@
 """Plots from the perf results: memory vs context length, decode throughput vs batch,
 requests running at once in one KV pool over time (capacity), pages held as outputs grow
-(long_output), and prefill seconds per phase (prefill_phases).
+(long_output), prefill seconds per phase (prefill_phases) and whole runs end to end (end_to_end).
 
     python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png,
-                                      #    long_output.png, prefill_phases.png
+                                      #    long_output.png, prefill_phases.png, end_to_end.png
 """
 from __future__ import annotations
 
@@ -131,12 +131,38 @@ def plot_prefill_phases(result: dict, folder: Path) -> Path:
     return _save(fig, f"{result['model']}: {result['command'].strip()}", folder / "prefill_phases.png")
 
 
+def plot_end_to_end(result: dict, folder: Path) -> Path:
+    """Requests running with output over each whole run (one panel per output length), and the
+    figures users feel beside them: output tok/s, TTFT and TPOT p50, stock and sekv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["whole_run"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False)
+    for ax, (n_out, by_backend) in zip(axes[0], runs.items()):
+        for backend, label in (("vllm", "stock vLLM"), ("sekv", f"sekv (budget {result['budget_ratio']})")):
+            r = by_backend[backend]
+            t, running = zip(*r["timeline"])
+            ax.step(t, running, where="post", label=f"{label}: {r['wall_s']:.0f} s, {r['output_tok_per_s']:.1f} out tok/s, "
+                    f"TTFT p50 {r['ttft_s']['p50']:.0f} s, TPOT p50 {r['tpot_s']['p50']:.2f} s")
+        ax.set_xlabel("seconds since all requests were submitted")
+        ax.set_ylabel("requests decoding at once")
+        ax.set_title(f"{result['requests']} x {result['length']}-token prompts, {n_out} output tokens: "
+                     f"sekv/stock output tok/s {result['output_throughput_ratio'][n_out]}", fontsize=9)
+        ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.1))
+    return _save(fig, f"{result['model']}: {result['command'].strip()} ({result['kv_cache_space_gib']} GiB pool)",
+                 folder / "end_to_end.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
     parser.add_argument("--capacity", type=Path, default=RESULTS / "capacity_cpu.json")
     parser.add_argument("--long-output", type=Path, default=RESULTS / "long_output_cpu.json")
     parser.add_argument("--prefill-phases", type=Path, default=RESULTS / "prefill_phases_cpu.json")
+    parser.add_argument("--end-to-end", type=Path, default=RESULTS / "end_to_end_cpu.json")
     args = parser.parse_args()
     paths = plot(json.loads(args.results.read_text()), args.results.parent)
     if args.capacity.exists():
@@ -145,6 +171,8 @@ def main() -> None:
         paths.append(plot_long_output(json.loads(args.long_output.read_text()), args.long_output.parent))
     if args.prefill_phases.exists():
         paths.append(plot_prefill_phases(json.loads(args.prefill_phases.read_text()), args.prefill_phases.parent))
+    if args.end_to_end.exists():
+        paths.append(plot_end_to_end(json.loads(args.end_to_end.read_text()), args.end_to_end.parent))
     for path in paths:
         print(f"wrote {path}")
 

@@ -1,0 +1,149 @@
+"""End to end, as a batch job or a server sees it: stock vLLM and sekv in one run, the same KV pool.
+
+    python -m benchmarks.perf.end_to_end                  # 32 x 4K prompts, 128 and 512 output tokens; 1K/4K/8K alone
+    python -m benchmarks.perf.end_to_end --requests 8 --outputs 64 --single-lengths 1000
+
+Whole run: `--requests` distinct essay prompts of `--length` tokens are submitted at once
+(ignore_eos: every request produces exactly its output length) to a fresh engine in its own
+process, per backend and output length, and the engine is stepped until all are done. Measured:
+wall time, output tokens/s over the whole run, per request time to first token (from submission,
+queueing included) and time per output token after it (p50/p90), and the requests running with
+output after each step. Alone: one request at a time at each of `--single-lengths` (after a
+warm-up request), time to first token (its prefill) and time per output token.
+
+Results: benchmarks/results/end_to_end_cpu.json with, from this one run, `output_throughput_ratio`
+(per output length), `ttft_ratio_single` (per prompt length) and `prefill_time_ratio_4k` (the
+first token of a 4K prompt alone), all sekv / stock; `python -m benchmarks.perf.plot` draws
+end_to_end.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
+from benchmarks.perf.run import essay_prompts
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of values, linearly interpolated."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """Submit every prompt at once and step the engine to the end: per-request and whole-run timings."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    produced: dict[str, int] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    timeline = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if n > produced.get(out.request_id, 0):
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                produced[out.request_id] = n
+        timeline.append([round(now, 2), sum(1 for r in scheduler.running if r.num_output_tokens > 0)])
+    wall = time.perf_counter() - t0
+    ttft = [first[r] for r in produced]
+    tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in produced if produced[r] > 1]
+    return {
+        "requests": len(prompts), "output_tokens": sum(produced.values()), "wall_s": round(wall, 2),
+        "output_tok_per_s": round(sum(produced.values()) / wall, 3),
+        "ttft_s": {"p50": round(percentile(ttft, 0.5), 3), "p90": round(percentile(ttft, 0.9), 3)},
+        "tpot_s": {"p50": round(percentile(tpot, 0.5), 4), "p90": round(percentile(tpot, 0.9), 4)} if tpot else None,
+        "max_concurrent": max(n for _, n in timeline), "timeline": timeline,
+    }
+
+
+def worker(spec: dict) -> dict:
+    longest = max([spec["length"], *spec["single_lengths"]])
+    llm = make_llm(spec["model"], spec["sekv"], longest + spec["max_tokens"] + 64)
+    tok = llm.get_tokenizer()
+    out = {"pool_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+    if spec["mode"] == "single":
+        run_requests(llm, essay_prompts(tok, 600, 1), 4, "warm")  # first-call allocations, not measured
+        out["single"] = {}
+        for n in spec["single_lengths"]:
+            r = run_requests(llm, essay_prompts(tok, n, 1), spec["max_tokens"], f"single{n}")
+            out["single"][str(n)] = {"ttft_s": r["ttft_s"]["p50"], "tpot_s": r["tpot_s"]["p50"], "wall_s": r["wall_s"]}
+        return out
+    out.update(run_requests(llm, essay_prompts(tok, spec["length"], spec["requests"]), spec["max_tokens"], "batch"))
+    if spec["sekv"] is not None:
+        from sekv_vllm.integration.vllm.runner_bridge import request_figures
+
+        figs = [f for f in request_figures() if f.get("prompt_tokens") == spec["length"]]
+        out["compressed_requests"] = len(figs)
+        if figs:
+            out["fast_tier_fraction"] = round(statistics.mean(f["fast_tier_fraction"] for f in figs), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--length", type=int, default=4000)
+    parser.add_argument("--outputs", nargs="+", type=int, default=[128, 512], help="output tokens per request")
+    parser.add_argument("--single-lengths", nargs="+", type=int, default=[1000, 4000, 8000])
+    parser.add_argument("--single-tokens", type=int, default=32, help="output tokens of a request alone")
+    parser.add_argument("--budget", type=float, default=0.125, help="sekv budget_ratio")
+    parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) for both")
+    parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end_cpu.json")
+    args = parser.parse_args(argv)
+    model = worker_or_model(args.worker, worker)
+    if model is None:
+        return 0
+    result: dict = {"command": command_line("benchmarks.perf.end_to_end", argv), "model": Path(model).name,
+                    "requests": args.requests, "length": args.length, "budget_ratio": args.budget,
+                    "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "whole_run": {}, "alone": {}}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
+    common = {"model": model, "length": args.length, "requests": args.requests}
+    for backend in ("vllm", "sekv"):
+        sekv = {"budget_ratio": args.budget} if backend == "sekv" else None
+        spec = {**common, "sekv": sekv, "mode": "single", "single_lengths": args.single_lengths,
+                "max_tokens": args.single_tokens}
+        result["alone"][backend] = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
+        print(f"{backend} alone: {json.dumps(result['alone'][backend])}", flush=True)
+        for n_out in args.outputs:
+            spec = {**common, "sekv": sekv, "mode": "batch", "single_lengths": [], "max_tokens": n_out}
+            run = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
+            result["whole_run"].setdefault(str(n_out), {})[backend] = run
+            print(f"{backend}, {n_out} output tokens: " + json.dumps({k: v for k, v in run.items() if k != "timeline"}),
+                  flush=True)
+    stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
+    result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
+    result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
+    if str(args.length) in result["ttft_ratio_single"]:
+        result[f"prefill_time_ratio_{args.length // 1000}k"] = result["ttft_ratio_single"][str(args.length)]
+    result["output_throughput_ratio"] = {
+        n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
+    result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if "ratio" in k}))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
