@@ -8,7 +8,8 @@ Whole run: `--requests` distinct essay prompts of `--length` tokens are submitte
 process, per backend and output length, and the engine is stepped until all are done. Measured:
 wall time, output tokens/s over the whole run, per request time to first token (from submission,
 queueing included) and time per output token after it (p50/p90), and the requests running with
-output after each step. Alone: one request at a time at each of `--single-lengths` (after a
+output after each step (each engine first serves one short request, not measured: first-call costs
+such as loading sekv's kernel stay out of both). Alone: one request at a time at each of `--single-lengths` (after a
 warm-up request), time to first token (its prefill) and time per output token.
 
 Results: benchmarks/results/end_to_end_cpu.json with, from this one run, `output_throughput_ratio`
@@ -80,8 +81,9 @@ def worker(spec: dict) -> dict:
     llm = make_llm(spec["model"], spec["sekv"], longest + spec["max_tokens"] + 64)
     tok = llm.get_tokenizer()
     out = {"pool_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
+    # first-call costs (allocations; sekv: loading its C++ kernel and router), not measured
+    run_requests(llm, essay_prompts(tok, 600, 1), 4, "warm")
     if spec["mode"] == "single":
-        run_requests(llm, essay_prompts(tok, 600, 1), 4, "warm")  # first-call allocations, not measured
         out["single"] = {}
         for n in spec["single_lengths"]:
             r = run_requests(llm, essay_prompts(tok, n, 1), spec["max_tokens"], f"single{n}")
