@@ -4,8 +4,9 @@
 // their spans' low-rank factors) in one softmax per query head.
 //
 // Torch reference: SeKVRuntime.attend_batch's torch path (ZoomPolicy.span_scores,
-// segment_budgeted_zoom, ZoomPolicy.key_scores, segment_key_recall, batched_mixed_attention). Each (request, KV head) is computed on its
-// own, in a fixed order, by one thread: a request's result does not depend on the batch.
+// segment_budgeted_zoom, ZoomPolicy.key_scores, segment_key_recall, batched_mixed_attention).
+// Each (request, KV head) is computed on its own, in a fixed order, by one thread: a request's
+// result does not depend on the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -761,7 +762,9 @@ std::vector<torch::Tensor> span_decode(
             if (zoomed[s] || group[s] == kNegInf) continue;
             for (int64_t c = 0; c < r.span_len[s]; ++c) {
               float best = kNegInf;
-              for (int64_t g = 0; g < G; ++g) best = std::max(best, key_logit[(s * G + g) * C + c] + key_shift[s * G + g]);
+              for (int64_t g = 0; g < G; ++g) {
+                best = std::max(best, key_logit[(s * G + g) * C + c] + key_shift[s * G + g]);
+              }
               if (best > kNegInf) picks.push_back(order_key(best, s * C + c));
             }
           }

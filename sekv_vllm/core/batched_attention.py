@@ -1,10 +1,10 @@
 """The mixed attention of many compressed requests' decode tokens at once, without rebuilding rows.
 
-Each request b attends, in one softmax, what `mixed_attention` gives it: its full-resolution
-rows, one summary row per span standing for the span's tokens not read (logit bias log of their
-count; none when every token is read) and the token rows its KV heads read: every token of a
-zoomed span, single keys recalled from others. A zoomed span's rows are never rebuilt here: with keys K = C B and
-values V = C_v B_v (coefficients C [L, R], basis B [R, D]),
+Each request b attends, in one softmax, its full-resolution rows, one summary row per span standing
+for the span's tokens not read (logit bias log of their count; none when every token is read) and
+the token rows its KV heads read: every token of a zoomed span, single keys recalled from others
+(with whole spans only, what `mixed_attention` gives it). Rows are never rebuilt here: with keys
+K = C B and values V = C_v B_v (coefficients C [L, R], basis B [R, D]),
     q K^T = (q B^T) C^T        and        p V = (p C_v) B_v,
 which costs R (D + L) per head instead of L R D to rebuild and L D to attend, and moves no rows.
 Summaries and zoomed spans of all requests are computed in a few batched ops; the softmax is

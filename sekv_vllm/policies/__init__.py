@@ -36,5 +36,5 @@ def make_policy(name: str, *, shape: ModelShape | None = None, model_name: str =
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "QueryTerms", "RouterPolicy", "SpanScorePolicy", "ZoomPolicy", "budgeted_zoom", "choose_policy", "make_policy", "segment_budgeted_zoom",
-           "segment_key_recall"]
+__all__ = ["POLICIES", "QueryTerms", "RouterPolicy", "SpanScorePolicy", "ZoomPolicy", "budgeted_zoom", "choose_policy",
+           "make_policy", "segment_budgeted_zoom", "segment_key_recall"]

@@ -2,11 +2,11 @@
 
 Each request gets its own mixed attention, whatever else decodes with it (bit for bit). The C++
 kernel (`ops.span_decode`) does scoring, zoom and attention in one call; the torch path (its
-reference) scores with `ZoomPolicy.span_scores`, zooms with `segment_budgeted_zoom`, spends the zoom
-rows whole spans leave over on single keys (`segment_key_recall`, where every key is a scoring
-centroid) and attends the tokens read through their spans' factors (`batched_mixed_attention`). A batch's per-request inputs
-(`BatchSpans`) are gathered once per layer and reused while its requests stay the same
-(continuous batching changes them only when one joins or ends).
+reference) scores with `ZoomPolicy.span_scores`, zooms with `segment_budgeted_zoom`, spends the
+zoom rows whole spans leave over on single keys (`segment_key_recall`, where every key is a scoring
+centroid) and attends the tokens read through their spans' factors (`batched_mixed_attention`). A
+batch's per-request inputs (`BatchSpans`) are gathered once per layer and reused while its requests
+stay the same (continuous batching changes them only when one joins or ends).
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def _basis(bases: SpanBases) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class DecodeCounts:
-    """One layer's decode attention of a batch: out [B, H, D] float32; zoomed [B] int64 the spans some KV
-    head read whole, recalled [B] int64 the single keys read (summed over KV heads), per request."""
+class DecodedLayer:
+    """One layer's decode attention of a batch and what it read, per request: out [B, H, D] float32;
+    zoomed [B] int64 the spans some KV head read whole; recalled [B] int64 the single keys read (summed
+    over KV heads)."""
 
     out: torch.Tensor
     zoomed: torch.Tensor
@@ -53,11 +54,11 @@ class BatchSpans:
     """The spans of one layer of the requests decoding together, one request after another.
 
     layers: each request's compressed layer; features: each request's `key_features` (a
-    placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom rows per
-    KV head; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its request
-    recalls keys and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D] concatenate the requests' spans
-    (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each
-    is made on first use.
+    placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
+    rows per KV head; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its
+    request recalls keys and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D]
+    concatenate the requests' spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list
+    them (the C++ kernel's); each is made on first use.
     """
 
     req_ids: tuple[str, ...]
@@ -151,7 +152,7 @@ class SpanDecoder:
         return batch
 
     def attend_kernel(self, kernel: ModuleType, batch: BatchSpans, layer: int, q: torch.Tensor, rows: list[PagedRows],
-                      new_k: torch.Tensor | None, new_v: torch.Tensor | None, scale: float) -> DecodeCounts:
+                      new_k: torch.Tensor | None, new_v: torch.Tensor | None, scale: float) -> DecodedLayer:
         """The C++ kernel: q [B, H, D], each request's rows (room made for new_k, new_v [B, Hkv, D], which
         it writes in place) -> out [B, H, D] float32 and what each request read."""
         terms = self.policy.query_terms(layer, q, scale)
@@ -167,10 +168,10 @@ class SpanDecoder:
             query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
             threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
         )
-        return DecodeCounts(out, zoomed, recalled)
+        return DecodedLayer(out, zoomed, recalled)
 
     def attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,
-                     full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> DecodeCounts:
+                     full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> DecodedLayer:
         """The torch path (the kernel's reference): full [B] (k, v) [n, Hkv, D] each request's rows."""
         keys = batch.keys
         score, eligible = self.policy.span_scores(layer, q, batch.seg, keys, scale)
@@ -213,4 +214,4 @@ class SpanDecoder:
             pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, read[pair_span, pair_head], scale,
         )
         zoomed = torch.zeros(B, dtype=torch.int64, device=q.device).index_add_(0, batch.seg, whole.any(dim=1).long())
-        return DecodeCounts(out, zoomed, recalled)
+        return DecodedLayer(out, zoomed, recalled)
