@@ -48,9 +48,9 @@ CASES = {
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
-    # the rows whole spans leave over go to single keys; at 12.5% "a" keeps 16 centroids (no keys recalled)
-    # beside "b", which keeps every key
+    # the rows whole spans leave over go to single keys
     "router, every key at 2 bits, keys recalled": dict(budget_ratio=0.15, score_centroids=32),
+    # at 12.5% "a" keeps 16 k-means centroids (no key recalled) beside "b", which keeps every key
     "router, 12.5%, keys recalled beside a request that cannot": dict(budget_ratio=0.125),
     "router, every key at 2 bits, whole spans only": dict(budget_ratio=0.15, score_centroids=32, recall_keys=False),
     # recalled keys rebuilt from their spans' factors
