@@ -51,11 +51,19 @@ def command_line(module: str, argv: list[str] | None) -> str:
 
 
 def make_llm(model: str, sekv: dict | None, max_model_len: int):
+    """An engine for `model` (a local folder) whose context holds max_model_len tokens, or the model's own
+    limit where that is less (an 8K-token grid cell plus its answer room still fits an 8192-token model)."""
     from vllm import LLM
 
     kwargs = {"additional_config": {"sekv": sekv}} if sekv is not None else {}
-    return LLM(model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
+    return LLM(model, dtype="float32", enforce_eager=True, max_model_len=min(max_model_len, model_context(model)),
                enable_prefix_caching=False, **kwargs)
+
+
+def model_context(model: str) -> int:
+    """The longest context the model's config allows (max_position_embeddings of its config.json)."""
+    with open(os.path.join(model, "config.json")) as f:
+        return int(json.load(f)["max_position_embeddings"])
 
 
 def timed_generate(llm, prompts, params) -> tuple[list, float]:
