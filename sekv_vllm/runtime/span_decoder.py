@@ -56,7 +56,7 @@ class BatchSpans:
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
     rows per KV head; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its
-    request recalls keys and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D]
+    request recalls keys, does not zoom every span, and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D]
     concatenate the requests' spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list
     them (the C++ kernel's); each is made on first use.
     """
@@ -144,7 +144,8 @@ class SpanDecoder:
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
             per_key=torch.repeat_interleave(
-                torch.tensor([self.recall_keys and m.keys.every_key_a_centroid for m in layers]),
+                torch.tensor([self.recall_keys and not mem.zoom_all and m.keys.every_key_a_centroid
+                              for mem, m in zip(mems, layers)]),
                 torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
         )
@@ -184,11 +185,10 @@ class SpanDecoder:
         span_tokens = torch.arange(L, device=q.device)[None, :] < keys.span_len[:, None]  # [S, L]
         read = whole[..., None] & span_tokens[:, None, :]  # [S, Hkv, L]
         recalled = torch.zeros(B, dtype=torch.int64, device=q.device)
-        per_key = batch.per_key & ~batch.zoom_all[batch.seg]
-        if bool(per_key.any()):
+        if bool(batch.per_key.any()):
             key_score = self.policy.key_scores(layer, q, batch.seg, keys, score, scale)
             keys_read = segment_key_recall(key_score, batch.seg, keys.span_len, zoom, batch.budgets, Hkv, eligible,
-                                           per_key)
+                                           batch.per_key)
             read |= torch.nn.functional.pad(keys_read, (0, max(L - keys_read.shape[2], 0)))[..., :L]
             recalled.index_add_(0, batch.seg, keys_read.sum(dim=(1, 2)))
         summary_count = keys.span_len[:, None] - read.sum(dim=2)  # [S, Hkv]
