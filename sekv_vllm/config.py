@@ -78,6 +78,11 @@ class SeKVConfig(BaseModel):
         "other spans (ranked by their scoring codes, one row each; a span's summary then stands for its tokens not "
         "read); needs every key a scoring centroid (score_centroids >= max_span, as the budget allows); false: "
         "whole spans only")
+    surprisal_precision: Literal["auto", "bfloat16", "model"] = Field(
+        "auto", description="the prompt-token surprisal SeKV segments by: 'model' from the model's own logits (its "
+        "dtype, vLLM's logits processor); 'bfloat16' from a bfloat16 copy of the output projection (within ~0.1 "
+        "nats of float32's; ~2.5x faster on CPUs with bfloat16 dot products, slower on others); 'auto': bfloat16 "
+        "where the CPU has bfloat16 dot products (AVX-512 BF16 or AMX) or on a GPU, else 'model'")
     alpha: float = Field(1.0, ge=-3.0, le=10.0, description="anchor threshold: mean + alpha * std of surprisal")
     l_min: int = Field(4, ge=1, le=64, description="runs shorter than this stay at full resolution")
     # At max_span <= r_max every span rebuilds exactly; a longer max_span or a smaller r_max

@@ -19,6 +19,7 @@ def test_defaults_validate():
         ({"l_min": 40, "max_span": 64}, "max_span (64) must be at least 2 * l_min (80)"),
         ({"zoom_policy": "magic"}, "sekv.zoom_policy: Input should be 'auto', 'router' or 'span_score'"),
         ({"score_bits": 3}, "sekv.score_bits: Input should be 2, 4, 8 or 16"),
+        ({"surprisal_precision": "fp8"}, "sekv.surprisal_precision: Input should be 'auto', 'bfloat16' or 'model'"),
     ],
 )
 def test_bad_values_name_the_field(raw, message):

@@ -13,6 +13,7 @@ the same values, fewer bytes in the host pool, and less work to attend.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,37 @@ def _top_factors_by_rows(xs: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.
     tiny = s_r <= s_r[..., :1] * 1e-5
     inv = torch.where(tiny, torch.zeros_like(s_r), 1 / s_r.masked_fill(tiny, 1))
     return u_r * s_r.masked_fill(tiny, 0)[..., None, :], (u_r * inv[..., None, :]).mT @ xs
+
+
+def gated_span_rows(
+    x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
+    gates_of: Callable[[torch.Tensor], torch.Tensor | None],
+) -> SpanBases | None:
+    """The spans' rows with every singular direction scaled by its gate, kept as rows (basis None):
+    X' = U diag(g) U^T X per span and KV head (X = U diag(s) V^T), what `as_rows(gate_bases(fit_span_bases(x,
+    ..., r_max), g))` keeps when r_max >= every span's length, without making the factors.
+
+    x: [T, Hkv, D]; span_start, span_len: [S] int64 (S >= 1)
+    gates_of(singular [S, Hkv, R] float32, descending, R = min(L, D)) -> g [S, Hkv, R], or None (then None)
+    """
+    Hkv, D = x.shape[1], x.shape[2]
+    index, valid = span_token_index(span_start, span_len)
+    L = index.shape[1]
+    xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3).contiguous()  # [S, Hkv, L, D]
+    # The smaller Gram matrix: X X^T (L x L, its eigenvectors U) or X^T X (D x D, V; X' = X V diag(g) V^T).
+    by_rows = L < D
+    evals, vecs = torch.linalg.eigh(xs @ xs.mT if by_rows else xs.mT @ xs)  # ascending
+    R = min(L, D)
+    vecs, s = vecs[..., -R:].flip(-1), evals[..., -R:].flip(-1).clamp_min(0).sqrt()
+    if by_rows:  # directions with s ~ 0 carry nothing; `fit_span_bases` gives them s = 0
+        s = s.masked_fill(s <= s[..., :1] * 1e-5, 0)
+    gates = gates_of(s)
+    if gates is None:
+        return None
+    project = (vecs * gates[..., None, :]) @ vecs.mT
+    rows = project @ xs if by_rows else xs @ project  # [S, Hkv, L, D]
+    row_offset = torch.cumsum(span_len, 0) - span_len
+    return SpanBases(rows.permute(0, 2, 1, 3)[valid].to(x.dtype).contiguous(), None, row_offset, span_len)
 
 
 def span_rows(x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor) -> SpanBases:

@@ -62,9 +62,10 @@ class CentroidCodes:
         return x.permute(0, 3, 1, 2)
 
 
-def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int, range_spans: int = 1) -> CentroidCodes:
-    """cent: [S, Hkv, C, D] float; present: [S, Hkv, C] bool (centroids that stand for tokens:
-    only they set a channel's range); range_spans: consecutive spans sharing a range."""
+def quantize_centroids(cent: torch.Tensor, present: torch.Tensor | None, bits: int, range_spans: int = 1) -> CentroidCodes:
+    """cent: [S, Hkv, C, D] float; present: [S, Hkv, C] bool (centroids that stand for tokens: only they
+    set a channel's range), or None where every centroid is one of its span's keys (a slot past the span's
+    length repeats one); range_spans: consecutive spans sharing a range."""
     S, Hkv, C, D = cent.shape
     m = 8 // bits if bits in QUANT_BITS else 1
     if bits not in QUANT_BITS or D % m:
@@ -73,21 +74,25 @@ def quantize_centroids(cent: torch.Tensor, present: torch.Tensor, bits: int, ran
     top = (1 << bits) - 1
     range_of = torch.arange(S, device=cent.device) // range_spans
     N = -(-S // range_spans)
-    have = present[..., None]
-    lo_span = torch.where(have, cent, torch.inf).amin(dim=2)  # [S, Hkv, D]
-    hi_span = torch.where(have, cent, -torch.inf).amax(dim=2)
-    lo = torch.full((N, Hkv, D), torch.inf, device=cent.device).scatter_reduce(
-        0, range_of[:, None, None].expand(S, Hkv, D), lo_span, "amin")
-    hi = torch.full((N, Hkv, D), -torch.inf, device=cent.device).scatter_reduce(
-        0, range_of[:, None, None].expand(S, Hkv, D), hi_span, "amax")
+    if present is None:
+        lo, hi = torch.aminmax(cent, dim=2)  # [S, Hkv, D]
+    else:
+        have = present[..., None]
+        lo = torch.where(have, cent, torch.inf).amin(dim=2)
+        hi = torch.where(have, cent, -torch.inf).amax(dim=2)
+    if range_spans > 1:
+        at = range_of[:, None, None].expand(S, Hkv, D)
+        lo = torch.full((N, Hkv, D), torch.inf, device=cent.device).scatter_reduce(0, at, lo, "amin")
+        hi = torch.full((N, Hkv, D), -torch.inf, device=cent.device).scatter_reduce(0, at, hi, "amax")
     lo16 = lo.half()
     step16 = ((hi - lo16.float()) / top).half()
-    step = step16.float()[range_of][:, :, None]
-    code = ((cent - lo16.float()[range_of][:, :, None]) / step.clamp(min=1e-30)).round().clamp(0, top)
-    code = torch.where(step > 0, code, torch.zeros_like(code)).to(torch.uint8)
+    lo_s, step_s = (lo16.float(), step16.float()) if range_spans == 1 else (lo16.float()[range_of], step16.float()[range_of])
+    # A channel whose range is one value (step 0) codes every element as 0: dividing by inf gives it.
+    step_s = torch.where(step_s > 0, step_s, torch.inf)[:, :, None]
+    code = (cent - lo_s[:, :, None]).div_(step_s).round_().clamp_(0, top).to(torch.uint8)
     code = code.view(S, Hkv, C, m, D // m).permute(0, 1, 3, 4, 2)  # [S, Hkv, m, Dm, C]
-    packed = torch.zeros(S, Hkv, D // m, C, dtype=torch.uint8, device=code.device)
-    for i in range(m):
+    packed = code[:, :, 0].clone()
+    for i in range(1, m):
         packed |= code[:, :, i] << (i * bits)
     return CentroidCodes(packed.contiguous(), lo16, step16, range_of, bits)
 
@@ -256,9 +261,10 @@ def span_keys(k: torch.Tensor, summary_k: torch.Tensor, span_start: torch.Tensor
     x = k.float()[index].permute(0, 2, 1, 3)  # [S, Hkv, L, D]
     Hkv, L = x.shape[1], x.shape[2]
     if C >= L:
-        # every key is its own centroid (what k-means gives too, without its cost)
-        cent = torch.nn.functional.pad(x, (0, 0, 0, C - L))
-        present = torch.nn.functional.pad(valid, (0, C - L))[:, None].expand(S, Hkv, C)
+        # every key is its own centroid (what k-means gives too, without its cost); the slots past a span's
+        # length repeat its last key (`span_token_index`), which counts as no token (`log_count`)
+        cent = x if C == L else torch.cat([x, x[:, :, -1:].expand(S, Hkv, C - L, x.shape[3])], dim=2)
+        present = None
         log_count = None
     else:
         cent = _farthest_points(x, valid, C)

@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 
 from sekv_vllm.core.low_rank import (
-    SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, rebuild_spans_of, rows_if_smaller, singular_values,
-    span_rows,
+    SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, gated_span_rows, rebuild_spans_of,
+    rows_if_smaller, singular_values, span_rows,
 )
 from sekv_vllm.core.mixed_attention import mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout
@@ -75,13 +75,12 @@ def compress_layer(
             fit_span_bases(x, layout.span_start, layout.span_len, r_max))
 
     bases_k = None
-    if key_gates is not None and layout.num_spans:
+    if key_gates is not None and layout.num_spans and as_is:
+        bases_k = gated_span_rows(k, layout.span_start, layout.span_len, lambda s: key_gates(s, summary_k))
+    elif key_gates is not None and layout.num_spans:  # factors: gated where the policy has gates
         fitted = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
         gates = key_gates(singular_values(fitted), summary_k)
-        if gates is not None:
-            bases_k = form(gate_bases(fitted, gates))
-        elif not as_is:  # a policy without gates: the factors just fitted serve
-            bases_k = form(fitted)
+        bases_k = form(fitted if gates is None else gate_bases(fitted, gates))
     if bases_k is None:
         bases_k = bases_of(k)
     return LayerSpanMemory(

@@ -10,12 +10,13 @@ from sekv_vllm.core import (
     compress_layer,
     exact_attention,
     fit_span_bases,
+    gate_bases,
     rebuild_spans,
     segment_prompt,
     singular_values,
     summarize_spans,
 )
-from sekv_vllm.core.low_rank import rebuild_spans_of, rows_if_smaller, span_rows
+from sekv_vllm.core.low_rank import as_rows, gated_span_rows, rebuild_spans_of, rows_if_smaller, span_rows
 from sekv_vllm.policies import POLICIES, RouterPolicy, budgeted_zoom, make_policy
 from sekv_vllm.router import ModelShape, ZoomRouter
 
@@ -255,3 +256,30 @@ def test_token_surprisal_is_minus_the_log_probability_of_the_token():
     targets = torch.tensor([0, 7, 39, 7, 3])
     want = -torch.log_softmax(logits.float(), dim=-1)[torch.arange(5), targets]
     assert torch.allclose(token_surprisal(logits, targets), want, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("max_span", [32, 80])  # spans shorter than D (X X^T) and longer (X^T X)
+def test_gated_rows_equal_the_gated_factors_rebuilt(max_span):
+    """`gated_span_rows` (the served path at r_max >= every span) == the factors' path: fit, gate, rebuild."""
+    _, k, _, s = make_prompt(400, seed=6, rank=12)
+    k[100:140] = torch.randn(40, HKV, D)  # some spans of full rank
+    layout = segment_prompt(s, window=10, alpha=1.0, l_min=4, max_span=max_span)
+    seen = {}
+
+    def gates_of(singular):
+        g = torch.Generator().manual_seed(1)
+        seen["singular"], seen["gates"] = singular, torch.rand(singular.shape, generator=g) * 0.6 + 0.4
+        return seen["gates"]
+
+    got = gated_span_rows(k, layout.span_start, layout.span_len, gates_of)
+    fitted = fit_span_bases(k, layout.span_start, layout.span_len, r_max=max_span)
+    want = as_rows(gate_bases(fitted, seen["gates"]))
+    top = float(singular_values(fitted).max())
+    assert torch.allclose(seen["singular"], singular_values(fitted), atol=1e-4 * top)
+    assert got.basis is None and torch.equal(got.row_offset, want.row_offset)
+    assert torch.allclose(got.coef, want.coef, atol=1e-4 * float(k.abs().max()))
+    # gates of 1 give the rows back; a policy without gates gets None
+    ones = gated_span_rows(k, layout.span_start, layout.span_len, torch.ones_like)
+    assert torch.allclose(ones.coef, span_rows(k, layout.span_start, layout.span_len).coef, atol=1e-4 * float(k.abs().max()))
+    assert gated_span_rows(k, layout.span_start, layout.span_len, lambda _: None) is None

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from sekv_vllm.core import SpanKeys, scoring_nbytes, segment_prompt, span_keys, summarize_spans
+from sekv_vllm.core.span_keys import quantize_centroids
+from sekv_vllm.core.span_summary import span_token_index
 
 H, HKV, D = 4, 2, 16
 SCALE = 1 / math.sqrt(D)
@@ -148,3 +150,22 @@ def test_spans_sharing_a_range_score_as_the_keys_within_its_steps():
     # a range per span fits each span's keys at least as closely
     own = span_keys(k, summary, layout.span_start, layout.span_len, C, bits=4)
     assert (own.centroids() - exact.centroid_k.float()).abs().mul(present).mean() < err.mean()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_slots_past_a_span_set_no_range_and_code_its_keys_as_masked_quantization_does(bits):
+    """Every key its own centroid with slots past the span's length (C > L): those slots repeat a key, so
+    the ranges and the keys' codes equal a quantization that masks the slots out."""
+    k, s, layout, _ = prompt(300, 7)
+    summary = summarize_spans(k, s, layout.span_start, layout.span_len)
+    C = 24  # > max_span 16
+    got = span_keys(k, summary, layout.span_start, layout.span_len, num_centroids=C, bits=bits)
+    index, valid = span_token_index(layout.span_start, layout.span_len)
+    S, L = index.shape
+    zero_padded = torch.nn.functional.pad((k[index] * valid[..., None, None]).permute(0, 2, 1, 3), (0, 0, 0, C - L))
+    present = torch.nn.functional.pad(valid, (0, C - L))[:, None].expand(S, HKV, C)
+    want = quantize_centroids(zero_padded, present, bits)
+    assert torch.equal(got.codes.lo, want.lo) and torch.equal(got.codes.step, want.step)
+    for i, n in enumerate(layout.span_len.tolist()):
+        assert torch.equal(got.codes.codes[i, :, :, :n], want.codes[i, :, :, :n])
+    assert got.stored_log_count is None  # every key a centroid: counts implied

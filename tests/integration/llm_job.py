@@ -13,6 +13,25 @@ import os
 import sys
 
 
+def surprisal_check(bridge) -> dict:
+    """Where the bridge took the prompt-token surprisal from, and the largest difference between the surprisal
+    of the model's bfloat16 output projection and that of its own logits, on hidden states of the size of the
+    final norm's (a wrong vocabulary slice or weight shows as nats, bfloat16 rounding as a few hundredths)."""
+    import torch
+
+    from sekv_vllm.core.surprisal import token_surprisal
+
+    head = bridge.runner.logit_head(torch.bfloat16)
+    if head is None:
+        return {"source": bridge.surprisal_source, "max_abs_difference": None}
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, head.weight.shape[1], generator=g)
+    targets = torch.randint(0, head.weight.shape[0], (64,), generator=g)
+    exact = token_surprisal(bridge.runner.compute_logits(hidden), targets)
+    diff = (head.surprisal(hidden, targets) - exact).abs().max().item()
+    return {"source": bridge.surprisal_source, "max_abs_difference": diff, "mean_surprisal": exact.mean().item()}
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     if not spec.get("plugins", True):
@@ -43,11 +62,14 @@ def main() -> None:
     params = [SamplingParams(temperature=r.get("temperature", 0.0), seed=r.get("seed"), max_tokens=r.get("max_tokens", 24),
                              extra_args=r.get("extra_args")) for r in reqs]
     outputs = llm.generate([chat(r["prompt"]) for r in reqs], params)
-    figures, mixed_steps = [], None
+    figures, mixed_steps, surprisal = [], None, None
     if spec.get("plugins", True):
         from sekv_vllm.integration.vllm.runner_bridge import current_bridge, figures_by_request_id
 
-        mixed_steps = current_bridge().steps_mixing_prefill_and_compressed_decode if current_bridge() else None
+        bridge = current_bridge()
+        mixed_steps = bridge.steps_mixing_prefill_and_compressed_decode if bridge else None
+        if bridge is not None:
+            surprisal = surprisal_check(bridge)
         by_id = figures_by_request_id()
         figures = [by_id.get(o.request_id) for o in outputs]
     result = {
@@ -56,6 +78,7 @@ def main() -> None:
         "figures": figures,
         "errors": errors,
         "steps_mixing_prefill_and_compressed_decode": mixed_steps,
+        "surprisal": surprisal,
     }
     print("RESULT " + json.dumps(result))
 

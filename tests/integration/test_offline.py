@@ -1,5 +1,6 @@
 """sekv inside vLLM's offline LLM on the default model, against stock vLLM."""
 import pytest
+import torch
 
 from sekv_vllm.methods import METHODS
 from sekv_vllm.tasks.haystack import sentences
@@ -118,6 +119,18 @@ def test_mixed_batch_completes_with_per_request_settings(compressed_run):
     assert figs[5]["budget_rows"] == -(-figs[5]["prompt_tokens"] // 2)  # sekv_budget_ratio 0.5
     assert figs[6] is not None and figs[6]["spans"] > 0
     assert result["steps_mixing_prefill_and_compressed_decode"] > 0  # continuous batching really mixed them
+
+
+def test_prompt_surprisal_from_the_bfloat16_projection_matches_the_models_logits(compressed_run):
+    _, result = compressed_run
+    check = result["surprisal"]
+    fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    # surprisal_precision "auto": the bfloat16 copy where the CPU has bfloat16 dot products
+    assert check["source"] == ("bfloat16" if fast else "model")
+    # the copy is the model's projection (vocabulary rows, no padding): bfloat16 rounding only; a wrong slice
+    # or weight would be off by nats (the surprisal of random targets is ~11 nats here)
+    assert check["max_abs_difference"] < 0.3, check
+    assert check["mean_surprisal"] > 5
 
 
 def test_bad_per_request_setting_is_refused_naming_the_field(compressed_run):

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.core.surprisal import token_surprisal
+from sekv_vllm.core.surprisal import LogitHead, token_surprisal
 from sekv_vllm.integration.vllm import request_failures
 from sekv_vllm.integration.vllm.page_plans import PagePlans
 from sekv_vllm.integration.vllm.version import RunnerView, StepSchedule, kv_pages
@@ -70,6 +70,10 @@ class RunnerBridge:
         # Requests that keep full KV after sekv's work for them failed (never admitted again).
         self._full_kv_after_error: set[str] = set()
         self._failed_steps_in_a_row = 0
+        # The output projection the prompt-token surprisal is computed with (built at the first prompt, once
+        # the weights are loaded); None: the model's own logits.
+        self._logit_head: LogitHead | None = None
+        self._logit_head_chosen = False
 
     # -- step hooks ----------------------------------------------------------------------
     def before_step(self, step: StepSchedule) -> None:
@@ -275,17 +279,52 @@ class RunnerBridge:
         if stop <= start:
             return
         targets = torch.tensor(prompt[start + 1 : stop + 1], dtype=torch.int64)
+        head = self._surprisal_head(hidden)
         values = []
         for a in range(0, stop - start, _LOGIT_CHUNK):
             b = min(a + _LOGIT_CHUNK, stop - start)
-            values.append(token_surprisal(self.runner.compute_logits(hidden[row0 + a : row0 + b]), targets[a:b]))
+            rows = hidden[row0 + a : row0 + b]
+            values.append(head.surprisal(rows, targets[a:b]) if head is not None
+                          else token_surprisal(self.runner.compute_logits(rows), targets[a:b]))
         self.runtime.record_surprisal(req_id, torch.arange(start + 1, stop + 1), torch.cat(values))
+
+    @property
+    def surprisal_source(self) -> str | None:
+        """Where the prompt-token surprisal comes from: "bfloat16" (a copy of the output projection), "model"
+        (its own logits), None before the first prompt."""
+        if not self._logit_head_chosen:
+            return None
+        return "bfloat16" if self._logit_head is not None else "model"
+
+    def _surprisal_head(self, hidden: torch.Tensor) -> LogitHead | None:
+        """`surprisal_precision`'s projection: a bfloat16 copy of the model's, or None (its own logits)."""
+        if not self._logit_head_chosen:
+            self._logit_head_chosen = True
+            precision = self.runtime.config.surprisal_precision
+            if precision == "auto":
+                precision = "bfloat16" if bfloat16_is_fast(hidden.device) else "model"
+            if precision == "bfloat16" and hidden.dtype != torch.bfloat16:
+                self._logit_head = self.runner.logit_head(torch.bfloat16)
+                if self._logit_head is None:
+                    logger.warning("sekv: surprisal_precision %r: the model's output projection is not a plain "
+                                   "matrix; the surprisal comes from its own logits",
+                                   self.runtime.config.surprisal_precision)
+            logger.info("sekv: prompt-token surprisal from %s", "a bfloat16 copy of the output projection"
+                        if self._logit_head is not None else "the model's own logits")
+        return self._logit_head
 
     def _compress(self, req_id: str) -> None:
         mem = self.runtime.compress(req_id)
         if mem.status is Status.COMPRESSED:
             pages = self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
             self.runtime.record_engine_pages(req_id, pages)
+
+
+def bfloat16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products beat float32's on `device` (CPUs: bfloat16 dot products)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def figures_by_request_id() -> dict[str, dict]:

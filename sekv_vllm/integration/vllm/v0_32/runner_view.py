@@ -8,7 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.models.utils import extract_layer_index
+
+from sekv_vllm.core.surprisal import LogitHead
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -128,3 +132,16 @@ class RunnerView:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, V]."""
         return self._runner.model.compute_logits(hidden)
+
+    def logit_head(self, dtype: torch.dtype) -> LogitHead | None:
+        """The model's output projection as a plain matrix in `dtype` (a copy), or None where it is not one
+        (quantized or sharded across ranks, a bias, or a logits processor of its own kind)."""
+        model = self._runner.model
+        head, proc = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+        if head is None or type(proc) is not LogitsProcessor or proc.logits_as_input:
+            return None
+        if (getattr(head, "tp_size", 1) != 1 or getattr(head, "bias", None) is not None
+                or not isinstance(getattr(head, "quant_method", None), UnquantizedEmbeddingMethod)):
+            return None
+        weight = head.weight[: proc.org_vocab_size]
+        return LogitHead(weight.to(dtype).contiguous(), proc.soft_cap, float(proc.scale))
