@@ -111,9 +111,11 @@ class SeKVConfig(BaseModel):
         "centroids); auto: the router when router_weights is given or weights are shipped for the model, else "
         "span_score (the choice is logged at start-up)")
     decode_kernel: Literal["auto", "cpp", "torch"] = Field(
-        "auto", description="decode attention of compressed requests: cpp (one C++ kernel per layer, "
-        "csrc/cpu/span_decode.cpp, compiled on first use; start-up fails if it cannot be built), torch (the "
-        "reference ops), auto (cpp where it builds and the KV cache is float32, else torch, logged)")
+        "auto", description="decode attention of compressed requests and the eigensolver of compression: cpp (C++ "
+        "kernels compiled on first use: csrc/cpu/span_decode.cpp, one call per layer, and csrc/cpu/small_eigh.cpp, "
+        "the spans' Gram matrices for the router's key gates; start-up fails if they cannot be built), torch (the "
+        "reference ops: torch.linalg.eigh), auto (cpp where it builds, and for decode where the KV cache is "
+        "float32; else torch, logged)")
     router_weights: str | None = Field(None, description="router weight file; default: the one shipped for the model")
     host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")
     return_pages: bool = Field(True, description="return a compressed request's prompt pages to vLLM's pool, "

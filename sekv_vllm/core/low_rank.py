@@ -47,12 +47,16 @@ class SpanBases:
         return self.basis is not None
 
 
+Eigh = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def fit_span_bases(
-    x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, r_max: int
+    x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, r_max: int, eigh: Eigh = torch.linalg.eigh
 ) -> SpanBases:
     """Rank-r factors of each span of x.
 
     x: [T, Hkv, D]; span_start, span_len: [S] int64
+    eigh: `torch.linalg.eigh` or a solver that returns the same (e.g. `ops.small_eigh`)
     """
     T, Hkv, D = x.shape
     S = span_start.numel()
@@ -65,23 +69,23 @@ def fit_span_bases(
     # Padded rows are zero: they change neither the Gram matrix nor the singular subspace.
     xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3)  # [S, Hkv, L, D]
     if L < D:
-        coef, basis = _top_factors_by_rows(xs, R)
+        coef, basis = _top_factors_by_rows(xs, R, eigh)
     else:
-        _, eigvec = torch.linalg.eigh(xs.mT @ xs)  # ascending eigenvalues: the top R are last
+        _, eigvec = eigh(xs.mT @ xs)  # ascending eigenvalues: the top R are last
         v_r = eigvec[..., -R:].flip(-1)  # [S, Hkv, D, R]
         coef, basis = xs @ v_r, v_r.mT
     coef = coef.permute(0, 2, 1, 3)[valid]  # [P, Hkv, R]
     return SpanBases(coef.to(x.dtype).contiguous(), basis.to(x.dtype).contiguous(), row_offset, span_len)
 
 
-def _top_factors_by_rows(xs: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_factors_by_rows(xs: torch.Tensor, R: int, eigh: Eigh) -> tuple[torch.Tensor, torch.Tensor]:
     """U_r diag(s_r) and V_r^T of xs [S, Hkv, L, D] with L < D, from the smaller Gram matrix X X^T
     (an L x L eigendecomposition: ~2.5x cheaper than D x D at L = D / 2): V_r^T = diag(1 / s_r) U_r^T X.
     Directions with s ~ 0 (padding, rank deficiency) get a zero basis row: their coefficients are ~0
     too, so the rebuild C B = U_r U_r^T X loses nothing.
     returns coef [S, Hkv, L, R], basis [S, Hkv, R, D]
     """
-    evals, u = torch.linalg.eigh(xs @ xs.mT)  # ascending: the top R are last
+    evals, u = eigh(xs @ xs.mT)  # ascending: the top R are last
     u_r = u[..., -R:].flip(-1)  # [S, Hkv, L, R]
     s_r = evals[..., -R:].flip(-1).clamp_min(0).sqrt()  # [S, Hkv, R]
     tiny = s_r <= s_r[..., :1] * 1e-5
@@ -91,7 +95,7 @@ def _top_factors_by_rows(xs: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.
 
 def gated_span_rows(
     x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
-    gates_of: Callable[[torch.Tensor], torch.Tensor | None],
+    gates_of: Callable[[torch.Tensor], torch.Tensor | None], eigh: Eigh = torch.linalg.eigh,
 ) -> SpanBases | None:
     """The spans' rows with every singular direction scaled by its gate, kept as rows (basis None):
     X' = U diag(g) U^T X per span and KV head (X = U diag(s) V^T), what `as_rows(gate_bases(fit_span_bases(x,
@@ -99,6 +103,7 @@ def gated_span_rows(
 
     x: [T, Hkv, D]; span_start, span_len: [S] int64 (S >= 1)
     gates_of(singular [S, Hkv, R] float32, descending, R = min(L, D)) -> g [S, Hkv, R], or None (then None)
+    eigh: as `fit_span_bases`'s
     """
     Hkv, D = x.shape[1], x.shape[2]
     index, valid = span_token_index(span_start, span_len)
@@ -106,7 +111,7 @@ def gated_span_rows(
     xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3).contiguous()  # [S, Hkv, L, D]
     # The smaller Gram matrix: X X^T (L x L, its eigenvectors U) or X^T X (D x D, V; X' = X V diag(g) V^T).
     by_rows = L < D
-    evals, vecs = torch.linalg.eigh(xs @ xs.mT if by_rows else xs.mT @ xs)  # ascending
+    evals, vecs = eigh(xs @ xs.mT if by_rows else xs.mT @ xs)  # ascending
     R = min(L, D)
     vecs, s = vecs[..., -R:].flip(-1), evals[..., -R:].flip(-1).clamp_min(0).sqrt()
     if by_rows:  # directions with s ~ 0 carry nothing; `fit_span_bases` gives them s = 0

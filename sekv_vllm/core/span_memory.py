@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from sekv_vllm.core.low_rank import (
-    SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, gated_span_rows, rebuild_spans_of,
+    Eigh, SpanBases, append_span_bases, as_rows, fit_span_bases, gate_bases, gated_span_rows, rebuild_spans_of,
     rows_if_smaller, singular_values, span_rows,
 )
 from sekv_vllm.core.mixed_attention import mixed_attention
@@ -51,7 +51,7 @@ KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
     score_centroids: int = 0, score_bits: int = 16, key_gates: KeyGates | None = None,
-    store_rows: bool | None = None, score_range_spans: int = 1,
+    store_rows: bool | None = None, score_range_spans: int = 1, eigh: Eigh = torch.linalg.eigh,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
     score_centroids: key centroids per span for zoom scoring (0: the summary key alone), kept at
@@ -61,6 +61,7 @@ def compress_layer(
 
     key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
     gates of the keys (the trained router's), folded into the stored coefficients.
+    eigh: the eigensolver of the spans' Gram matrices (`torch.linalg.eigh` or `ops.small_eigh`).
     """
     summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len)
     summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len)
@@ -72,13 +73,13 @@ def compress_layer(
 
     def bases_of(x: torch.Tensor) -> SpanBases:
         return span_rows(x, layout.span_start, layout.span_len) if as_is else form(
-            fit_span_bases(x, layout.span_start, layout.span_len, r_max))
+            fit_span_bases(x, layout.span_start, layout.span_len, r_max, eigh))
 
     bases_k = None
     if key_gates is not None and layout.num_spans and as_is:
-        bases_k = gated_span_rows(k, layout.span_start, layout.span_len, lambda s: key_gates(s, summary_k))
+        bases_k = gated_span_rows(k, layout.span_start, layout.span_len, lambda s: key_gates(s, summary_k), eigh)
     elif key_gates is not None and layout.num_spans:  # factors: gated where the policy has gates
-        fitted = fit_span_bases(k, layout.span_start, layout.span_len, r_max)
+        fitted = fit_span_bases(k, layout.span_start, layout.span_len, r_max, eigh)
         gates = key_gates(singular_values(fitted), summary_k)
         bases_k = form(fitted if gates is None else gate_bases(fitted, gates))
     if bases_k is None:

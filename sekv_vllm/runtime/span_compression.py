@@ -14,6 +14,7 @@ import torch
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
+from sekv_vllm.core.low_rank import Eigh
 from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout
 from sekv_vllm.methods import SEKV
 from sekv_vllm.policies import ZoomPolicy
@@ -30,8 +31,9 @@ class SpanCompression:
     index is the position in this list); rows kept at full resolution go into pages of `block` rows."""
 
     def __init__(self, config: SeKVConfig, layer_names: list[str], policy: ZoomPolicy, pool: HostPool,
-                 block: int) -> None:
+                 block: int, eigh: Eigh = torch.linalg.eigh) -> None:
         self.config, self.layer_names, self.policy, self.pool, self.block = config, layer_names, policy, pool, block
+        self.eigh = eigh  # the spans' eigensolver (the router's key gates): torch's or the C++ kernel
         # the policy's span features, per span and layer on average (what the budget plan prices)
         self.feature_bytes = sum(policy.span_feature_nbytes(i) for i in range(len(layer_names))) / len(layer_names)
 
@@ -43,7 +45,7 @@ class SpanCompression:
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
                                      None if mem.zoom_all else functools.partial(self.policy.key_gates, i),
-                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans)
+                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh)
                 for i, (name, (k, v)) in enumerate(rows.items())}
 
     def _key_features(self, mem: RequestMemory, memories: dict[str, LayerSpanMemory]) -> int:

@@ -10,6 +10,8 @@ import torch
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import LayerSpanMemory
+from sekv_vllm.core.low_rank import Eigh
+from sekv_vllm.ops.small_eigh import load_small_eigh, small_eigh
 from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy
 from sekv_vllm.pool import HostPool
@@ -39,6 +41,21 @@ def load_kernel(choice: str) -> ModuleType | None:
     return kernel
 
 
+def load_eigh(choice: str) -> Eigh:
+    """The spans' eigensolver: the C++ kernel, or torch's (`SeKVConfig.decode_kernel` chooses both kernels)."""
+    if choice == "torch":
+        return torch.linalg.eigh
+    try:
+        load_small_eigh()
+    except KernelBuildError as err:
+        if choice == "cpp":
+            raise RuntimeError(f"sekv.decode_kernel is 'cpp' but the C++ eigensolver cannot be built here: {err}; "
+                               "allowed: 'auto' (fall back to torch, logged) or 'torch'") from None
+        logger.warning("sekv: C++ eigensolver unavailable (%s); compressing with torch.linalg.eigh", err)
+        return torch.linalg.eigh
+    return small_eigh
+
+
 class SpanRunner(MethodRunner):
     """SeKV's requests of one worker. layer_names in model order (the policy's layer index)."""
 
@@ -50,7 +67,8 @@ class SpanRunner(MethodRunner):
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.policy: ZoomPolicy = make_policy(config.zoom_policy, shape=shape, model_name=model_name,
                                               router_weights=config.router_weights)
-        self.compression = SpanCompression(config, layer_names, self.policy, pool, OWN_BLOCK)
+        self.compression = SpanCompression(config, layer_names, self.policy, pool, OWN_BLOCK,
+                                           load_eigh(config.decode_kernel))
         self.spans = SpanDecoder(self.policy, pool, config.max_span, config.recall_keys)
         self.kernel: ModuleType | None = load_kernel(config.decode_kernel)
 
