@@ -9,7 +9,7 @@ first token) the prefill is timed `--repeats` times plainly (the median is the f
 sekv / stock) and once more under Python's cProfile, whose cumulative time per function splits it
 into sekv's phases: prompt-token surprisal (the model's logits of every prompt row), row capture
 (inside the attention), the plan (segmentation and the budget's split), span summaries, scoring
-codes, bases (factors or rows, with the router's key gates), router features, host-pool writes, the
+codes, the eigendecompositions the router's key gates need, bases (factors or rows, gated), router features, host-pool writes, the
 rows kept at full resolution, their placement into the engine's pages and the page plan that returns
 the rest; what is left is the model's forward and vLLM's own work. Shares are of the profiled run
 (the profiler slows Python-heavy phases more than torch's). Results:
@@ -38,18 +38,20 @@ PHASES: dict[str, tuple[tuple[str, str], ...]] = {
     "plan (segmentation)": (("span_budget.py", "plan_layout"),),
     "span summaries": (("span_summary.py", "summarize_spans"),),
     "scoring codes": (("span_keys.py", "span_keys"),),
+    # the router's key gates: an eigendecomposition per span, KV head and layer (C++ kernel or LAPACK)
+    "eigendecompositions": (("small_eigh.py", "small_eigh"), ("~", "<built-in method torch._C._linalg.linalg_eigh>")),
     "router features": (("span_compression.py", "_key_features"),),
     "host-pool writes": (("host_pool.py", "store"),),
     "rows kept": (("span_compression.py", "_keep_rows"),),
     "placement into pages": (("runner_bridge.py", "_place_rows"),),
     "page plan": (("page_plans.py", "after_compression"),),
 }
-# `compress_layer`'s time beyond its summaries and scoring codes: the bases
+# `compress_layer`'s time beyond its summaries, scoring codes and eigendecompositions: the bases
 LAYER = ("span_memory.py", "compress_layer")
 COMPRESS = ("span_compression.py", "compress_prompt")
 # the phases inside `compress_prompt`: the rest of its time is "compression, other"
-IN_COMPRESS = ("plan (segmentation)", "span summaries", "scoring codes", "bases", "router features",
-               "host-pool writes", "rows kept")
+IN_COMPRESS = ("plan (segmentation)", "span summaries", "scoring codes", "eigendecompositions", "bases",
+               "router features", "host-pool writes", "rows kept")
 REST = "model forward and vLLM"
 
 
@@ -68,7 +70,7 @@ def split_phases(stats: dict, total: float) -> dict[str, float]:
     """Seconds per phase of one profiled prefill that took `total` seconds (phases absent: 0)."""
     phases = {name: sum(cumulative(stats, w)[0] for w in where) for name, where in PHASES.items()}
     layer, _ = cumulative(stats, LAYER)
-    phases["bases"] = max(layer - phases["span summaries"] - phases["scoring codes"], 0.0)
+    phases["bases"] = max(layer - phases["span summaries"] - phases["scoring codes"] - phases["eigendecompositions"], 0.0)
     compress, _ = cumulative(stats, COMPRESS)
     phases["compression, other"] = max(compress - sum(phases[p] for p in IN_COMPRESS), 0.0)
     phases[REST] = max(total - sum(phases.values()), 0.0)

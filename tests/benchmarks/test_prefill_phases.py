@@ -20,6 +20,7 @@ def test_phases_split_a_profiled_prefill():
         ("/x/sekv_vllm/core/span_memory.py", 51, "compress_layer"): _entry(1.25, 30),
         ("/x/sekv_vllm/core/span_summary.py", 20, "summarize_spans"): _entry(0.25, 60),
         ("/x/sekv_vllm/core/span_keys.py", 229, "span_keys"): _entry(0.5, 30),
+        ("/x/sekv_vllm/ops/small_eigh.py", 40, "small_eigh"): _entry(0.125, 30),
         ("/x/sekv_vllm/runtime/span_compression.py", 49, "_key_features"): _entry(0.125),
         ("/x/sekv_vllm/pool/host_pool.py", 23, "store"): _entry(0.0625, 30),
         ("/x/sekv_vllm/runtime/span_compression.py", 59, "_keep_rows"): _entry(0.0625),
@@ -27,7 +28,8 @@ def test_phases_split_a_profiled_prefill():
     }
     phases = split_phases(stats, total=10.0)
     assert phases["surprisal"] == 0.5 and phases["row capture"] == 0.25
-    assert phases["bases"] == 1.25 - 0.25 - 0.5
+    assert phases["eigendecompositions"] == 0.125
+    assert phases["bases"] == 1.25 - 0.25 - 0.5 - 0.125
     # compress_prompt beyond its named parts (plan, layers, features, pool, rows kept)
     assert phases["compression, other"] == pytest.approx(2.0 - (0.125 + 1.25 + 0.125 + 0.0625 + 0.0625))
     assert phases["placement into pages"] == 0.0
