@@ -10,7 +10,8 @@ wall time, output tokens/s over the whole run, per request time to first token (
 queueing included) and time per output token after it (p50/p90), and the requests running with
 output after each step (each engine first serves one short request, not measured: first-call costs
 such as loading sekv's kernel stay out of both). Alone: one request at a time at each of `--single-lengths` (after a
-warm-up request), time to first token (its prefill) and time per output token.
+warm-up request), `--single-repeats` distinct prompts each: time to first token (its prefill) and
+time per output token, the median run's.
 
 Results: benchmarks/results/end_to_end_cpu.json with, from this one run, `output_throughput_ratio`
 (per output length), `ttft_ratio_single` (per prompt length) and `prefill_time_ratio_4k` (the
@@ -86,8 +87,12 @@ def worker(spec: dict) -> dict:
     if spec["mode"] == "single":
         out["single"] = {}
         for n in spec["single_lengths"]:
-            r = run_requests(llm, essay_prompts(tok, n, 1), spec["max_tokens"], f"single{n}")
-            out["single"][str(n)] = {"ttft_s": r["ttft_s"]["p50"], "tpot_s": r["tpot_s"]["p50"], "wall_s": r["wall_s"]}
+            # distinct prompts, one at a time; the median run is the figure (this machine moves between runs)
+            runs = [run_requests(llm, [p], spec["max_tokens"], f"single{n}-{i}")
+                    for i, p in enumerate(essay_prompts(tok, n, spec["single_repeats"]))]
+            out["single"][str(n)] = {key: statistics.median(r[key]["p50"] if key != "wall_s" else r[key] for r in runs)
+                                     for key in ("ttft_s", "tpot_s", "wall_s")}
+            out["single"][str(n)]["ttft_runs_s"] = [r["ttft_s"]["p50"] for r in runs]
         return out
     out.update(run_requests(llm, essay_prompts(tok, spec["length"], spec["requests"]), spec["max_tokens"], "batch"))
     if spec["sekv"] is not None:
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs", nargs="+", type=int, default=[128, 512], help="output tokens per request")
     parser.add_argument("--single-lengths", nargs="+", type=int, default=[1000, 4000, 8000])
     parser.add_argument("--single-tokens", type=int, default=32, help="output tokens of a request alone")
+    parser.add_argument("--single-repeats", type=int, default=3, help="runs per length alone (the median is the figure)")
     parser.add_argument("--budget", type=float, default=0.125, help="sekv budget_ratio")
     parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) for both")
     parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end_cpu.json")
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in ("vllm", "sekv"):
         sekv = {"budget_ratio": args.budget} if backend == "sekv" else None
         spec = {**common, "sekv": sekv, "mode": "single", "single_lengths": args.single_lengths,
-                "max_tokens": args.single_tokens}
+                "max_tokens": args.single_tokens, "single_repeats": args.single_repeats}
         result["alone"][backend] = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
         print(f"{backend} alone: {json.dumps(result['alone'][backend])}", flush=True)
         for n_out in args.outputs:
