@@ -8,15 +8,11 @@ reference); the kernel runs a cyclic Jacobi on 16 matrices at once, one per SIMD
 from __future__ import annotations
 
 import functools
-import importlib.resources
-import logging
 from types import ModuleType
 
 import torch
 
-from sekv_vllm.ops.span_decode import KernelBuildError
-
-logger = logging.getLogger("sekv_vllm")
+from sekv_vllm.ops.cpu_build import build_cpu_extension
 
 # Sweeps stop once every matrix's off-diagonal mass is below this share of its total (squared
 # Frobenius norms): float32 rounding; 10 sweeps at most (32 x 32 Gram matrices need 6-8).
@@ -27,18 +23,7 @@ _MAX_SWEEPS = 10
 @functools.cache
 def load_small_eigh() -> ModuleType:
     """The compiled extension (built on first call); KernelBuildError says why it is unavailable."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = importlib.resources.files("sekv_vllm.csrc") / "cpu" / "small_eigh.cpp"
-        if not source.is_file():
-            raise FileNotFoundError(f"{source} is missing from this installation")
-        logger.info("sekv: loading the C++ eigensolver (compiled on first use)")
-        return load(name="sekv_small_eigh", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # a compiler, header or linker failure: all mean "not here"
-        raise KernelBuildError(f"{type(err).__name__}: {err}") from err
+    return build_cpu_extension("sekv_small_eigh", "small_eigh.cpp", "the C++ eigensolver")
 
 
 def small_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,31 +10,14 @@ builder (g++, OpenMP; cached under TORCH_EXTENSIONS_DIR, about a minute the firs
 from __future__ import annotations
 
 import functools
-import importlib.resources
-import logging
 from types import ModuleType
 
-logger = logging.getLogger("sekv_vllm")
+from sekv_vllm.ops.cpu_build import KernelBuildError, build_cpu_extension
 
-
-class KernelBuildError(RuntimeError):
-    """The C++ decode kernel could not be compiled or loaded here."""
+__all__ = ["KernelBuildError", "load_span_decode"]
 
 
 @functools.cache
 def load_span_decode() -> ModuleType:
     """The compiled extension (built on first call); KernelBuildError says why it is unavailable."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = importlib.resources.files("sekv_vllm.csrc") / "cpu" / "span_decode.cpp"
-        if not source.is_file():
-            raise FileNotFoundError(f"{source} is missing from this installation")
-        logger.info("sekv: loading the C++ decode kernel (compiled on first use, about a minute)")
-        # -fno-trapping-math lets the branch-free exp/log loops vectorise (nothing reads FP exceptions);
-        # no -ffast-math: results stay those of the written operation order.
-        return load(name="sekv_span_decode", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # a compiler, header or linker failure: all mean "not here"
-        raise KernelBuildError(f"{type(err).__name__}: {err}") from err
+    return build_cpu_extension("sekv_span_decode", "span_decode.cpp", "the C++ decode kernel")

@@ -12,7 +12,8 @@ from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import LayerSpanMemory
 from sekv_vllm.core.low_rank import Eigh
 from sekv_vllm.ops.small_eigh import load_small_eigh, small_eigh
-from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
+from sekv_vllm.ops.cpu_build import KernelBuildError
+from sekv_vllm.ops.span_decode import load_span_decode
 from sekv_vllm.policies import ZoomPolicy, make_policy
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape

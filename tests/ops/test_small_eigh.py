@@ -5,7 +5,7 @@ import torch
 from sekv_vllm.core import segment_prompt
 from sekv_vllm.core.low_rank import gated_span_rows
 from sekv_vllm.ops.small_eigh import load_small_eigh, small_eigh
-from sekv_vllm.ops.span_decode import KernelBuildError
+from sekv_vllm.ops.cpu_build import KernelBuildError
 
 
 @pytest.fixture(scope="module", autouse=True)
