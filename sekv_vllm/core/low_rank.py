@@ -63,11 +63,9 @@ def fit_span_bases(
     row_offset = torch.cumsum(span_len, 0) - span_len
     if S == 0:
         return SpanBases(x.new_zeros(0, Hkv, 0), x.new_zeros(0, Hkv, 0, D), row_offset, span_len)
-    index, valid = span_token_index(span_start, span_len)
-    L = index.shape[1]
+    xs, valid = _padded_spans(x, span_start, span_len)  # [S, Hkv, L, D]
+    L = xs.shape[2]
     R = min(L, D, r_max)
-    # Padded rows are zero: they change neither the Gram matrix nor the singular subspace.
-    xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3)  # [S, Hkv, L, D]
     if L < D:
         coef, basis = _top_factors_by_rows(xs, R, eigh)
     else:
@@ -76,6 +74,14 @@ def fit_span_bases(
         coef, basis = xs @ v_r, v_r.mT
     coef = coef.permute(0, 2, 1, 3)[valid]  # [P, Hkv, R]
     return SpanBases(coef.to(x.dtype).contiguous(), basis.to(x.dtype).contiguous(), row_offset, span_len)
+
+
+def _padded_spans(x: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, Hkv, D] -> (xs [S, Hkv, L, D] float32, each span's rows padded with zero rows to L = the longest,
+    valid [S, L] bool). Zero rows change neither a span's Gram matrix's nonzero spectrum nor its subspace."""
+    index, valid = span_token_index(span_start, span_len)
+    return (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3).contiguous(), valid
 
 
 def _top_factors_by_rows(xs: torch.Tensor, R: int, eigh: Eigh) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +111,9 @@ def gated_span_rows(
     gates_of(singular [S, Hkv, R] float32, descending, R = min(L, D)) -> g [S, Hkv, R], or None (then None)
     eigh: as `fit_span_bases`'s
     """
-    Hkv, D = x.shape[1], x.shape[2]
-    index, valid = span_token_index(span_start, span_len)
-    L = index.shape[1]
-    xs = (x.float()[index] * valid[:, :, None, None]).permute(0, 2, 1, 3).contiguous()  # [S, Hkv, L, D]
+    D = x.shape[2]
+    xs, valid = _padded_spans(x, span_start, span_len)  # [S, Hkv, L, D]
+    L = xs.shape[2]
     # The smaller Gram matrix: X X^T (L x L, its eigenvectors U) or X^T X (D x D, V; X' = X V diag(g) V^T).
     by_rows = L < D
     evals, vecs = eigh(xs @ xs.mT if by_rows else xs.mT @ xs)  # ascending

@@ -152,6 +152,9 @@ class ZoomPolicy(ABC):
         return QueryTerms(None, torch.zeros(H, device=q.device), torch.full((H,), float("-inf"), device=q.device),
                           self.centroid_scale(scale))
 
+    # Whether `key_gates` gates anything: compression decomposes the spans' keys only for a policy that does.
+    has_key_gates: ClassVar[bool] = False
+
     def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
         """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""
         return None

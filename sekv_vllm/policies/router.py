@@ -17,6 +17,7 @@ from sekv_vllm.router import ZoomRouter
 class RouterPolicy(ZoomPolicy):
     router: ZoomRouter
     name: ClassVar[str] = "router"
+    has_key_gates: ClassVar[bool] = True
     # Per layer, the last spans scored and their key scales: reused while a batch decodes.
     _scales: dict = field(default_factory=dict, compare=False, repr=False)
 
