@@ -14,22 +14,33 @@ namespace {
 
 constexpr int W = 16;  // matrices per group: one per float lane of an AVX-512 register
 
-// One group: a[n][n][W] (symmetric, overwritten: its diagonal ends as the eigenvalues), v[n][n][W] the
-// eigenvectors as columns. Sweeps until every lane's off-diagonal mass is below `tol` of its total, or
-// `max_sweeps`.
-void jacobi_group(float* a, float* v, int n, int max_sweeps, float tol) {
+// One group: a[n][n][W] symmetric, only its upper triangle (i <= j) read and kept current (its diagonal ends
+// as the eigenvalues); vt[n][n][W] the eigenvectors as rows (row i = eigenvector i, so a rotation touches
+// two contiguous rows). Sweeps until every lane's off-diagonal mass is below `tol` of its total, or
+// `max_sweeps`; a rotation is skipped when every lane's a_pq is below float32 rounding beside a_pp and a_qq
+// (late sweeps then cost little).
+void jacobi_group(float* a, float* vt, int n, int max_sweeps, float tol) {
   auto A = [&](int i, int j) { return a + (static_cast<int64_t>(i) * n + j) * W; };
-  auto V = [&](int i, int j) { return v + (static_cast<int64_t>(i) * n + j) * W; };
+  auto VT = [&](int i, int j) { return vt + (static_cast<int64_t>(i) * n + j) * W; };
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j)
-      for (int l = 0; l < W; ++l) V(i, j)[l] = i == j ? 1.f : 0.f;
+      for (int l = 0; l < W; ++l) VT(i, j)[l] = i == j ? 1.f : 0.f;
+  // (xp, xq) <- (c xp - s xq, s xp + c xq) on every lane
+  auto rotate = [](float* xp, float* xq, const float* c, const float* s) {
+    for (int l = 0; l < W; ++l) {
+      const float p = xp[l], q = xq[l];
+      xp[l] = c[l] * p - s[l] * q;
+      xq[l] = s[l] * p + c[l] * q;
+    }
+  };
   for (int sweep = 0; sweep < max_sweeps; ++sweep) {
     float off[W] = {}, total[W] = {};
     for (int i = 0; i < n; ++i)
-      for (int j = 0; j < n; ++j) {
+      for (int j = i; j < n; ++j) {
         const float* x = A(i, j);
+        const float weight = i == j ? 1.f : 2.f;
         for (int l = 0; l < W; ++l) {
-          const float sq = x[l] * x[l];
+          const float sq = weight * x[l] * x[l];
           total[l] += sq;
           off[l] += i == j ? 0.f : sq;
         }
@@ -39,10 +50,13 @@ void jacobi_group(float* a, float* v, int n, int max_sweeps, float tol) {
     if (done) break;
     for (int p = 0; p < n - 1; ++p) {
       for (int q = p + 1; q < n; ++q) {
-        float c[W], s[W], t[W];
         float* app = A(p, p);
         float* aqq = A(q, q);
         float* apq = A(p, q);
+        int live = 0;
+        for (int l = 0; l < W; ++l) live |= apq[l] * apq[l] > tol * std::fabs(app[l] * aqq[l]);
+        if (!live) continue;
+        float c[W], s[W], t[W];
         for (int l = 0; l < W; ++l) {
           // t = tan of the rotation angle that zeroes a_pq (the smaller root); none where a_pq is 0
           const float theta = (aqq[l] - app[l]) / (2.f * apq[l]);
@@ -53,37 +67,16 @@ void jacobi_group(float* a, float* v, int n, int max_sweeps, float tol) {
           c[l] = cl;
           s[l] = tl * cl;
         }
-        for (int k = 0; k < n; ++k) {
-          if (k == p || k == q) continue;
-          float* akp = A(k, p);
-          float* akq = A(k, q);
-          float* apk = A(p, k);
-          float* aqk = A(q, k);
-          for (int l = 0; l < W; ++l) {
-            const float xp = akp[l], xq = akq[l];
-            const float np = c[l] * xp - s[l] * xq, nq = s[l] * xp + c[l] * xq;
-            akp[l] = np;
-            apk[l] = np;
-            akq[l] = nq;
-            aqk[l] = nq;
-          }
-        }
-        float* aqp = A(q, p);
+        // columns p and q of the upper triangle: (k, p) / (k, q) above p, (p, k) / (k, q) between, (p, k) / (q, k) below q
+        for (int k = 0; k < p; ++k) rotate(A(k, p), A(k, q), c, s);
+        for (int k = p + 1; k < q; ++k) rotate(A(p, k), A(k, q), c, s);
+        for (int k = q + 1; k < n; ++k) rotate(A(p, k), A(q, k), c, s);
         for (int l = 0; l < W; ++l) {
           app[l] -= t[l] * apq[l];
           aqq[l] += t[l] * apq[l];
           apq[l] = 0.f;
-          aqp[l] = 0.f;
         }
-        for (int k = 0; k < n; ++k) {
-          float* vkp = V(k, p);
-          float* vkq = V(k, q);
-          for (int l = 0; l < W; ++l) {
-            const float xp = vkp[l], xq = vkq[l];
-            vkp[l] = c[l] * xp - s[l] * xq;
-            vkq[l] = s[l] * xp + c[l] * xq;
-          }
-        }
+        for (int k = 0; k < n; ++k) rotate(VT(p, k), VT(q, k), c, s);
       }
     }
   }
@@ -119,7 +112,8 @@ std::vector<torch::Tensor> small_eigh(const torch::Tensor& gram, int64_t max_swe
       jacobi_group(a.data(), v.data(), n, static_cast<int>(max_sweeps), static_cast<float>(tol));
       for (int l = 0; l < lanes; ++l) {
         for (int i = 0; i < n; ++i) out_e[(b0 + l) * n + i] = a[(static_cast<int64_t>(i) * n + i) * W + l];
-        for (int64_t e = 0; e < nn; ++e) out_v[(b0 + l) * nn + e] = v[e * W + l];
+        for (int i = 0; i < n; ++i)  // vt's row j is eigenvector j: the output's column j
+          for (int j = 0; j < n; ++j) out_v[(b0 + l) * nn + i * n + j] = v[(static_cast<int64_t>(j) * n + i) * W + l];
       }
     }
   });
