@@ -57,6 +57,17 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['span_recall']:.3f} | {r['span_mass_zoomed']:.3f} | {r['mean_zoomed_spans']:.2f} | "
                      + " | ".join(f"{per[str(b)]['kl_to_full_kv']:.3f}" for b in ratios) + " | "
                      + " | ".join(f"{per[str(b)]['next_token_agreement']:.3f}" for b in ratios) + " |")
+    # the trained router and the untrained score, each as served
+    names = [n for n in result["policies"] if n.startswith(("router (trained),", "span_score (untrained)"))]
+    sources = list(result["policies"][names[0]]["by_source"])
+    lines += ["", f"Per source of the held-out texts (span recall / KL to full KV / next-token agreement; scoring "
+              f"codes at {result['score_bits']} bits):", "",
+              *table_head(["source", "texts", *names])]
+    for src in sources:
+        cells = [result["policies"][n]["by_source"][src] for n in names]
+        lines.append(f"| {src} | {cells[0]['records']} | "
+                     + " | ".join(f"{c['span_recall']:.3f} / {c['kl_to_full_kv']:.3f} / {c['next_token_agreement']:.3f}"
+                                  for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -73,25 +84,25 @@ def main() -> None:
     trained_centroids = json.loads(read_metadata(weights)["provenance"])["config"]["sekv"].get("score_centroids", 0)
     start = time.time()
     records = teacher_records(lm, config, model_path, heldout=True)
-    r_max, C = config.sekv.r_max, config.sekv.score_centroids
-    # (policy, router whose gates rebuild keys, centroids per span)
+    r_max, C, bits = config.sekv.r_max, config.sekv.score_centroids, config.sekv.score_bits
+    # (policy, router whose gates rebuild keys, centroids per span, bits per scoring-code element)
     runs = {
-        f"router (trained), {C} centroids": (RouterPolicy(router), router, C),
+        f"router (trained), {C} centroids": (RouterPolicy(router), router, C, bits),
         **({f"router (trained with {trained_centroids}), {trained_centroids} centroids":
-            (RouterPolicy(router), router, trained_centroids)} if trained_centroids != C else {}),
-        "router scores, exact keys (no gates)": (RouterPolicy(router), None, C),
-        f"span_score (untrained), {C} centroids": (SpanScorePolicy(), None, C),
-        "span_score, summary key only (0 centroids)": (SpanScorePolicy(), None, 0),
-        f"span_score, every token ({config.sekv.max_span} centroids: exact span mass)":
-            (SpanScorePolicy(), None, config.sekv.max_span),
-        "summaries only (no zoom)": (SummariesOnly(), None, 0),
+            (RouterPolicy(router), router, trained_centroids, bits)} if trained_centroids != C else {}),
+        "router scores, exact keys (no gates)": (RouterPolicy(router), None, C, bits),
+        f"span_score (untrained), {C} centroids": (SpanScorePolicy(), None, C, bits),
+        "span_score, summary key only (0 centroids)": (SpanScorePolicy(), None, 0, 16),
+        f"span_score, every token ({config.sekv.max_span} float16 centroids: exact span mass)":
+            (SpanScorePolicy(), None, config.sekv.max_span, 16),
+        "summaries only (no zoom)": (SummariesOnly(), None, 0, 16),
     }
     ratios = sorted({r.text.budget_ratio for r in records}, reverse=True)
     policies = {}
-    for name, (policy, gates, centroids) in runs.items():
-        res = evaluate_policy(lm, policy, gates, records, r_max, centroids)
+    for name, (policy, gates, centroids, score_bits) in runs.items():
+        res = evaluate_policy(lm, policy, gates, records, r_max, centroids, score_bits, config.sekv.score_range_spans)
         policies[name] = res
-        print(name, json.dumps({k: v for k, v in res.items() if k != "by_budget"}), flush=True)
+        print(name, json.dumps({k: v for k, v in res.items() if k not in ("by_budget", "by_source")}), flush=True)
     result = {
         "command": f"python -m benchmarks.router.heldout --config {args.config}"
                    + (f" --weights {args.weights}" if args.weights else ""),
@@ -99,6 +110,7 @@ def main() -> None:
         "records": len(records),
         "queries": int(sum(r.query_pos.numel() for r in records)),
         "budget_ratios": ratios,
+        "score_bits": config.sekv.score_bits,
         "policies": policies,
         "seconds": round(time.time() - start, 1),
     }

@@ -27,7 +27,10 @@ class TrainConfig(BaseModel):
     heldout_samples: int = Field(16, ge=1)
     first_train_seed: int = Field(0, ge=0, lt=EVAL_SEED_BASE)
     first_heldout_seed: int = Field(500_000, ge=0, lt=EVAL_SEED_BASE)
-    sources: tuple[str, ...] = (ESSAY, "needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt")
+    # every RULER-style family: one needle, key-value binding (multikey), several values per key (multivalue),
+    # several keys asked at once (multiquery), chained references (vt), word counts (cwe, fwe)
+    sources: tuple[str, ...] = (ESSAY, "needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue",
+                                "niah_multiquery", "vt", "cwe", "fwe")
     lengths: tuple[int, ...] = (1000, 2000, 3000)
     essay_continuation: int = Field(64, ge=2, description="essay tokens after the prompt; queries among them")
     queries: int = Field(16, ge=1, description="query positions kept per sample")

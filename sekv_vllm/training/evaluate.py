@@ -21,8 +21,9 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
                     r_max: int, score_centroids: int, score_bits: int = 16, score_range_spans: int = 1) -> dict:
     """router: whose gates rebuild the keys (None: exact rebuild); score_centroids: per span (0: summary),
     at score_bits bits per element.
-    KL and agreement are also given per budget ratio of the records (`by_budget`)."""
-    recall, mass_share, kls, agree, zoomed, ratios = [], [], [], [], [], []
+    KL and agreement are also given per budget ratio of the records (`by_budget`), and span recall, KL and
+    agreement per source of the texts (`by_source`: essay or task family)."""
+    recall, mass_share, kls, agree, zoomed, ratios, sources, text_recall = [], [], [], [], [], [], [], []
 
     def hard_zoom(layer, q, keys, zoom_budget):
         return torch.stack([policy.select(layer, q[j], keys, zoom_budget, lm.scale)
@@ -32,6 +33,7 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
         if rec.layout.num_spans == 0:
             continue
         mems = layer_memories(rec, r_max, score_centroids, score_bits, score_range_spans)
+        first = len(recall)
         for i in range(len(mems)):
             q = rec.q[i].float()  # teacher queries: what the policy sees at this layer
             zoom = hard_zoom(i, q, mems[i].keys, rec.zoom_budget)  # [Q, H, S]
@@ -42,6 +44,8 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
             zoomed.append(zoom.sum(-1).float().flatten())
         out = student_forward(lm, router, rec, mems, hard_zoom=hard_zoom)
         ratios.append(rec.text.budget_ratio)
+        sources.append(rec.text.source)
+        text_recall.append(torch.cat(recall[first:]))
         kls.append(kl_to_teacher(rec.logp, out.logp))
         agree.append((out.logp.argmax(-1) == rec.logp.float().argmax(-1)).float().mean())
     return {
@@ -56,5 +60,13 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
                      "next_token_agreement": float(torch.stack([x for x, r in zip(agree, ratios) if r == b]).mean()),
                      "records": ratios.count(b)}
             for b in sorted(set(ratios), reverse=True)
+        },
+        "by_source": {
+            source: {"span_recall": float(torch.cat([x for x, s in zip(text_recall, sources) if s == source]).mean()),
+                     "kl_to_full_kv": float(torch.stack([x for x, s in zip(kls, sources) if s == source]).mean()),
+                     "next_token_agreement": float(torch.stack([x for x, s in zip(agree, sources)
+                                                                if s == source]).mean()),
+                     "records": sources.count(source)}
+            for source in sorted(set(sources))
         },
     }

@@ -126,3 +126,21 @@ def test_relaxed_topk_threshold_sits_at_the_budget_edge():
     # sigmoid(score - threshold) is above 1/2 exactly for the spans the hard budgeted top-k takes
     z = torch.sigmoid(ell - budget_threshold(ell, lens, 8))
     assert (z > 0.5).flatten().tolist() == [True, False, True, False]
+
+
+def test_heldout_evaluation_splits_by_source(lm, rec):
+    from sekv_vllm.policies import SpanScorePolicy
+    from sekv_vllm.training.evaluate import evaluate_policy
+
+    (t,) = build_texts(TrainConfig(train_samples=1, first_train_seed=3, lengths=(400,), sources=("niah_single",)),
+                       lm.tokenizer, heldout=False)
+    task = teacher_pass(lm, TrainingText(t.source, t.seed, t.ids, t.prompt_len, 0.25), CONFIG)
+    res = evaluate_policy(lm, SpanScorePolicy(), None, [rec, task], r_max=32, score_centroids=32, score_bits=2)
+    per = res["by_source"]
+    assert set(per) == {"essay", "niah_single"} and all(p["records"] == 1 for p in per.values())
+    # one text per source: the overall KL is the mean of the two; recall is averaged over every
+    # (query, layer, head), so it lies between the two sources'
+    assert res["kl_to_full_kv"] == pytest.approx((per["essay"]["kl_to_full_kv"] + per["niah_single"]["kl_to_full_kv"]) / 2)
+    lo, hi = sorted(p["span_recall"] for p in per.values())
+    assert lo - 1e-6 <= res["span_recall"] <= hi + 1e-6
+    assert 0 < res["span_recall"] <= 1
