@@ -2,7 +2,7 @@
 from sekv_vllm.core.low_rank import SpanBases, fit_span_bases, gate_bases, rebuild_spans, singular_values
 from sekv_vllm.core.mixed_attention import exact_attention, mixed_attention
 from sekv_vllm.core.segmentation import SpanLayout, segment_prompt, surprisal_threshold
-from sekv_vllm.core.span_memory import LayerSpanMemory, append_spans, attend_memory, compress_layer, compress_layers
+from sekv_vllm.core.span_memory import LayerSpanMemory, append_spans, attend_memory, compress_layer
 from sekv_vllm.core.span_keys import SpanKeys, concat_span_keys, scoring_nbytes, span_keys
 from sekv_vllm.core.span_summary import summarize_spans
 
@@ -14,7 +14,6 @@ __all__ = [
     "append_spans",
     "attend_memory",
     "compress_layer",
-    "compress_layers",
     "concat_span_keys",
     "exact_attention",
     "fit_span_bases",

@@ -46,12 +46,6 @@ class SpanBases:
     def factored(self) -> bool:
         return self.basis is not None
 
-    def heads(self, first: int, stop: int) -> "SpanBases":
-        """The factors (or rows) of KV heads first..stop-1 (their own copies)."""
-        return SpanBases(self.coef[:, first:stop].contiguous(),
-                         None if self.basis is None else self.basis[:, first:stop].contiguous(),
-                         self.row_offset, self.span_len)
-
 
 Eigh = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -51,11 +51,6 @@ class CentroidCodes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.lo, self.step, self.range_of))
 
-    def heads(self, first: int, stop: int) -> "CentroidCodes":
-        """The codes and ranges of KV heads first..stop-1 (their own copies)."""
-        return CentroidCodes(self.codes[:, first:stop].contiguous(), self.lo[:, first:stop].contiguous(),
-                             self.step[:, first:stop].contiguous(), self.range_of, self.bits)
-
     def dequantize(self) -> torch.Tensor:
         """[S, C, Hkv, D] float32."""
         S, Hkv, Dm, C = self.codes.shape
@@ -141,15 +136,6 @@ class SpanKeys:
         one = torch.arange(C, device=self.span_len.device)[None, :] < self.span_len[:, None]  # [S, C]
         logs = torch.zeros(S, C, dtype=torch.float16, device=one.device).masked_fill(~one, float("-inf"))
         return logs[:, None].expand(S, Hkv, C)
-
-    def heads(self, first: int, stop: int) -> "SpanKeys":
-        """The same spans seen by KV heads first..stop-1 only (their own copies)."""
-        def part(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-            return None if t is None else t.narrow(dim, first, stop - first).contiguous()
-
-        return SpanKeys(part(self.summary_k, 1), self.span_len, part(self.centroid_k, 2),
-                        part(self.stored_log_count, 1), None if self.codes is None else self.codes.heads(first, stop),
-                        self.of_summary)
 
     def centroids(self) -> torch.Tensor:
         """[S, C, Hkv, D] float32, dequantized where kept as codes."""

@@ -2,7 +2,6 @@
 bases (host pool)."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,11 +43,6 @@ class LayerSpanMemory:
     @property
     def bases_nbytes(self) -> int:
         return self.bases_k.nbytes + self.bases_v.nbytes
-
-    def heads(self, first: int, stop: int) -> "LayerSpanMemory":
-        """The memory of KV heads first..stop-1 (their own copies)."""
-        return LayerSpanMemory(self.keys.heads(first, stop), self.summary_v[:, first:stop].contiguous(),
-                               self.bases_k.heads(first, stop), self.bases_v.heads(first, stop))
 
 
 KeyGates = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -94,47 +88,6 @@ def compress_layer(
         span_keys(k, summary_k, layout.span_start, layout.span_len, score_centroids, score_bits, score_range_spans),
         summary_v, bases_k, bases_of(v),
     )
-
-
-# Layers compressed together hold at most about this many bytes of padded float32 span rows (their
-# Gram matrices, projections and codes take a few times that again).
-_STACK_BYTES = 64 << 20
-
-
-def compress_layers(
-    ks: list[torch.Tensor], vs: list[torch.Tensor], layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
-    score_centroids: int = 0, score_bits: int = 16,
-    key_gates: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
-    store_rows: bool | None = None, score_range_spans: int = 1, eigh: Eigh = torch.linalg.eigh,
-) -> list[LayerSpanMemory]:
-    """`compress_layer` of every layer under one layout, the layers stacked along the KV-head axis so that
-    each torch op (and eigensolver call) covers many layers at once: every step of it is per span and KV
-    head, so a stack of layers is a layer with more heads (one Python pass instead of one per layer).
-
-    ks, vs: per layer [T, Hkv, D]; key_gates(layer, singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g or None:
-    the policy's gates of that layer (None from any layer: no gates). Returns one memory per layer.
-    """
-    L, (T, Hkv, D) = len(ks), ks[0].shape
-    longest = int(layout.span_len.max()) if layout.num_spans else 1
-    per_layer = layout.num_spans * Hkv * longest * D * 4
-    group = max(1, min(L, _STACK_BYTES // max(per_layer, 1)))
-    out: list[LayerSpanMemory] = []
-    for first in range(0, L, group):
-        stop = min(first + group, L)
-        gates = None if key_gates is None else functools.partial(_stacked_gates, key_gates, first, stop, Hkv)
-        stacked = compress_layer(torch.cat(ks[first:stop], dim=1), torch.cat(vs[first:stop], dim=1), layout,
-                                 surprisal, r_max, score_centroids, score_bits, gates, store_rows,
-                                 score_range_spans, eigh)
-        out += [stacked.heads(j * Hkv, (j + 1) * Hkv) for j in range(stop - first)]
-    return out
-
-
-def _stacked_gates(key_gates: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor | None], first: int,
-                   stop: int, Hkv: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
-    """Layers first..stop-1's gates of their stacked heads: singular [S, n * Hkv, R] -> [S, n * Hkv, R]."""
-    gates = [key_gates(layer, singular[:, j * Hkv:(j + 1) * Hkv], summary_k[:, j * Hkv:(j + 1) * Hkv])
-             for j, layer in enumerate(range(first, stop))]
-    return None if any(g is None for g in gates) else torch.cat(gates, dim=1)
 
 
 def append_spans(memory: LayerSpanMemory, more: LayerSpanMemory) -> LayerSpanMemory:

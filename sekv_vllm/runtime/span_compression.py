@@ -7,12 +7,13 @@ summaries and scoring keys go to the fast tier and whose rows or factors go to t
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layers, segment_prompt, surprisal_threshold
+from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
 from sekv_vllm.core.low_rank import Eigh
 from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout
 from sekv_vllm.methods import SEKV
@@ -42,11 +43,11 @@ class SpanCompression:
         """Every layer's stretch rows (k, v [n, Hkv, D]) under one layout: the same spans in every layer."""
         cfg = self.config
         gated = self.policy.has_key_gates and not mem.zoom_all  # else no decomposition for gates
-        memories = compress_layers([k for k, _ in rows.values()], [v for _, v in rows.values()], layout, surprisal,
-                                   cfg.r_max, 0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
-                                   self.policy.key_gates if gated else None, store_rows=store_rows,
-                                   score_range_spans=cfg.score_range_spans, eigh=self.eigh)
-        return dict(zip(rows, memories))
+        return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
+                                     0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
+                                     functools.partial(self.policy.key_gates, i) if gated else None,
+                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh)
+                for i, (name, (k, v)) in enumerate(rows.items())}
 
     def _key_features(self, mem: RequestMemory, memories: dict[str, LayerSpanMemory]) -> int:
         """The policy's features of every span (`ZoomPolicy.key_features`); returns the bytes they added."""
