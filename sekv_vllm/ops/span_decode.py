@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-from sekv_vllm.ops.cpu_build import KernelBuildError, build_cpu_extension
-
-__all__ = ["KernelBuildError", "load_span_decode"]
+from sekv_vllm.ops.cpu_build import build_cpu_extension
 
 
 @functools.cache

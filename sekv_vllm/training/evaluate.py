@@ -61,12 +61,15 @@ def evaluate_policy(lm: FrozenLM, policy: ZoomPolicy, router: ZoomRouter | None,
                      "records": ratios.count(b)}
             for b in sorted(set(ratios), reverse=True)
         },
-        "by_source": {
-            source: {"span_recall": float(torch.cat([x for x, s in zip(text_recall, sources) if s == source]).mean()),
-                     "kl_to_full_kv": float(torch.stack([x for x, s in zip(kls, sources) if s == source]).mean()),
-                     "next_token_agreement": float(torch.stack([x for x, s in zip(agree, sources)
-                                                                if s == source]).mean()),
-                     "records": sources.count(source)}
-            for source in sorted(set(sources))
-        },
+        "by_source": {source: _per_source([j for j, s in enumerate(sources) if s == source], text_recall, kls, agree)
+                      for source in sorted(set(sources))},
     }
+
+
+def _per_source(texts: list[int], recall: list[torch.Tensor], kls: list[torch.Tensor], agree: list[torch.Tensor]
+                ) -> dict:
+    """Span recall (over every query, layer and head), KL and agreement (per text) of the texts listed."""
+    return {"span_recall": float(torch.cat([recall[j] for j in texts]).mean()),
+            "kl_to_full_kv": float(torch.stack([kls[j] for j in texts]).mean()),
+            "next_token_agreement": float(torch.stack([agree[j] for j in texts]).mean()),
+            "records": len(texts)}

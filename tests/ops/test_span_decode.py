@@ -4,7 +4,8 @@ import torch
 
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core.low_rank import fit_span_bases, rebuild_spans, rows_if_smaller
-from sekv_vllm.ops.span_decode import KernelBuildError, load_span_decode
+from sekv_vllm.ops.cpu_build import KernelBuildError
+from sekv_vllm.ops.span_decode import load_span_decode
 from sekv_vllm.router import ModelShape
 from sekv_vllm.runtime import SeKVRuntime
 
