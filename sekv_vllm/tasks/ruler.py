@@ -181,19 +181,24 @@ def _vt(rng: random.Random, depth: float, hops: int = 4):
     value = str(rng.randint(10_000, 99_999))
     names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(hops + 1)]
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
+    # A one-line worked example, as RULER's template gives: without it the 135M model continues the
+    # noise (full KV 0.00 at 1K-2K); with it, 0.24-0.36 at 1K-4K.
+    example = ("For example, in \"VAR QPRTZ = 12345. VAR LMNOB = VAR QPRTZ. VAR WXYAC = VAR LMNOB.\" the "
+               "variables assigned the value 12345 are QPRTZ, LMNOB, WXYAC.")
 
     def render(n: int):
         text = "\n".join(_place([_NOISE] * n, chain, _spots(n, len(chain), depth, hops)))
-        question = f"Find all variables that are assigned the value {value} in the text above."
-        prefix = (f"According to the chain of variable assignment in the text above, {hops + 1} variables are "
-                  f"assigned the value {value}. They are:")
-        return (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{text}",
-                question, tuple(names), prefix)
+        question = (f"Find all variables that are assigned the value {value} in the text above. "
+                    "Answer with the variable names only, separated by commas.")
+        return (f"Memorize and track the chain(s) of variable assignment hidden in the following text. "
+                f"{example}\n\n{text}", question, tuple(names), "")
 
     return render
 
 
-def _cwe(rng: random.Random, depth: float, common: int = 10, freq_common: int = 10, freq_rare: int = 2):
+# 5 common words 20 times each, not RULER's 10 x 10: the 135M model names two or three of the most
+# common words before it repeats one (full KV 0.10 at 1K with 10 x 10, 0.30 with 5 x 20).
+def _cwe(rng: random.Random, depth: float, common: int = 5, freq_common: int = 20, freq_rare: int = 2):
     words = list(_essay_words())
     rng.shuffle(words)
     common_words, rare_pool = words[:common], words[common:]
@@ -203,9 +208,10 @@ def _cwe(rng: random.Random, depth: float, common: int = 10, freq_common: int = 
         lst += [w for w in rare_pool[:n] for _ in range(freq_rare)]
         random.Random(n).shuffle(lst)
         numbered = " ".join(f"{i + 1}. {w}" for i, w in enumerate(lst))
-        question = f"What are the {common} most common words in the list above?"
+        question = (f"What are the {common} most common words in the list above? "
+                    f"Answer with {common} different words, separated by commas.")
         return (f"Below is a numbered list of words. Memorize the ones that appear most often.\n\n{numbered}",
-                question, tuple(common_words), f"The {common} words that appear most often in the list are:")
+                question, tuple(common_words), "")
 
     return render
 
