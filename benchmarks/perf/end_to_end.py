@@ -10,12 +10,14 @@ wall time, output tokens/s over the whole run, per request time to first token (
 queueing included) and time per output token after it (p50/p90), and the requests running with
 output after each step (each engine first serves one short request, not measured: first-call costs
 such as loading sekv's kernel stay out of both). Alone: one request at a time at each of `--single-lengths` (after a
-warm-up request), `--single-repeats` distinct prompts each: time to first token (its prefill) and
-time per output token, the median run's.
+warm-up request), `--single-repeats` distinct prompts each: time to first token, to the second one and
+time per output token, the median run's. sekv compresses a prompt at the step after its last forward
+pass, once its first token is out: its time to the second token holds the prompt's forward, its
+compression and one decode step (stock's: the forward and one decode step), the whole cost of its prefill.
 
 Results: benchmarks/results/end_to_end_cpu.json with, from this one run, `output_throughput_ratio`
 (per output length), `ttft_ratio_single` (per prompt length) and `prefill_time_ratio_4k` (the
-first token of a 4K prompt alone), all sekv / stock; `python -m benchmarks.perf.plot` draws
+second token of a 4K prompt alone: its prefill, compression included), all sekv / stock; `python -m benchmarks.perf.plot` draws
 end_to_end.png.
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
     produced: dict[str, int] = {}
     first: dict[str, float] = {}
+    second: dict[str, float] = {}
     last: dict[str, float] = {}
     timeline = []
     while engine.has_unfinished_requests():
@@ -62,6 +65,8 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
             n = len(out.outputs[0].token_ids)
             if n > produced.get(out.request_id, 0):
                 first.setdefault(out.request_id, now)
+                if n >= 2:
+                    second.setdefault(out.request_id, now)
                 last[out.request_id] = now
                 produced[out.request_id] = n
         timeline.append([round(now, 2), sum(1 for r in scheduler.running if r.num_output_tokens > 0)])
@@ -72,6 +77,8 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
         "requests": len(prompts), "output_tokens": sum(produced.values()), "wall_s": round(wall, 2),
         "output_tok_per_s": round(sum(produced.values()) / wall, 3),
         "ttft_s": {"p50": round(percentile(ttft, 0.5), 3), "p90": round(percentile(ttft, 0.9), 3)},
+        "t2_s": {"p50": round(percentile(list(second.values()), 0.5), 3),
+                 "p90": round(percentile(list(second.values()), 0.9), 3)} if second else None,
         "tpot_s": {"p50": round(percentile(tpot, 0.5), 4), "p90": round(percentile(tpot, 0.9), 4)} if tpot else None,
         "max_concurrent": max(n for _, n in timeline), "timeline": timeline,
     }
@@ -91,7 +98,7 @@ def worker(spec: dict) -> dict:
             runs = [run_requests(llm, [p], spec["max_tokens"], f"single{n}-{i}")
                     for i, p in enumerate(essay_prompts(tok, n, spec["single_repeats"]))]
             out["single"][str(n)] = {key: statistics.median(r[key]["p50"] if key != "wall_s" else r[key] for r in runs)
-                                     for key in ("ttft_s", "tpot_s", "wall_s")}
+                                     for key in ("ttft_s", "t2_s", "tpot_s", "wall_s")}
             out["single"][str(n)]["ttft_runs_s"] = [r["ttft_s"]["p50"] for r in runs]
         return out
     out.update(run_requests(llm, essay_prompts(tok, spec["length"], spec["requests"]), spec["max_tokens"], "batch"))
@@ -141,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
     result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
     result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
-    if str(args.length) in result["ttft_ratio_single"]:
-        result[f"prefill_time_ratio_{args.length // 1000}k"] = result["ttft_ratio_single"][str(args.length)]
+    if str(args.length) in stock_alone:
+        n = str(args.length)
+        result[f"prefill_time_ratio_{args.length // 1000}k"] = round(sekv_alone[n]["t2_s"] / stock_alone[n]["t2_s"], 3)
     result["output_throughput_ratio"] = {
         n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
     result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}

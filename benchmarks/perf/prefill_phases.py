@@ -4,8 +4,9 @@
     python -m benchmarks.perf.prefill_phases --lengths 4000 --repeats 3
 
 For each backend (stock vLLM with plugins off, sekv) one engine in its own process. Per prompt length
-(distinct essay passages of exactly N tokens, one request alone, one output token: the time to its
-first token) the prefill is timed `--repeats` times plainly (the median is the figure; the ratio is
+(distinct essay passages of exactly N tokens, one request alone, two output tokens: sekv compresses a prompt
+at the step after its last forward pass, once its first token is out, so the figure is the prompt's forward,
+its compression and one decode step, stock's the forward and one decode step) the prefill is timed `--repeats` times plainly (the median is the figure; the ratio is
 sekv / stock) and once more under Python's cProfile, whose cumulative time per function splits it
 into sekv's phases: prompt-token surprisal (the model's logits of every prompt row), row capture
 (inside the attention), the plan (segmentation and the budget's split), span summaries, scoring
@@ -84,7 +85,7 @@ def worker(spec: dict) -> dict:
     lengths, repeats = spec["lengths"], spec["repeats"]
     llm = make_llm(spec["model"], sekv, max(lengths) + 64)
     prompts = essay_prompts(llm.get_tokenizer(), max(lengths), len(lengths) * (repeats + 1) + 1)
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                             extra_args={"sekv_budget_ratio": spec["budget"]} if sekv is not None else None)
 
     def prefill(ids: list[int]) -> float:

@@ -68,6 +68,20 @@ def test_every_method_at_full_budget_equals_stock_vllm_token_for_token(model_dir
     assert "sekv_method" in run["errors"][0] and "'sekv', 'streaming_llm', 'snapkv', 'tova', 'h2o' or 'quest'" in run["errors"][0]
 
 
+def test_a_prompt_is_compressed_after_its_first_token(model_dir, stock_run, tmp_path):
+    # Compression runs at the step after the prompt's last forward pass: the first token is sampled from exact rows
+    # (stock's, at any budget), a request that ends with it is never compressed, and one that goes on is.
+    requests, stock = stock_run
+    long = requests[1:]  # the first prompt is short: full KV
+    chosen = [{**r, "max_tokens": 1} for r in long] + [{**r, "max_tokens": 3} for r in long]
+    run = run_job({"model": model_dir, "additional_config": {"sekv": {"budget_ratio": 0.0625, "min_prompt_tokens": 256}},
+                   "requests": chosen}, tmp_path)
+    for i, out in enumerate(run["outputs"]):
+        assert out["token_ids"][0] == stock["outputs"][1 + i % len(long)]["token_ids"][0], f"request {i}"
+    assert run["figures"][: len(long)] == [None] * len(long)
+    assert all(f is not None and f["spans"] > 0 and f["decode_steps"] > 0 for f in run["figures"][len(long) :])
+
+
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):
     requests, stock = stock_run
     sekv = run_job({"model": model_dir, "additional_config": {"sekv": {"host_pool_bytes": 1000, "min_prompt_tokens": 256}},

@@ -1,11 +1,15 @@
 """The worker-side hook: what vLLM's model runner knows, handed to the SeKV runtime.
 
 Around each `execute_model` of a runner whose config carries `sekv`:
-  before: release finished and preempted requests (both tiers), admit new ones;
+  before: release finished and preempted requests (both tiers), admit new ones; compress every
+          request whose prompt was completed by the step before: the surprisal of that step's
+          prompt tokens, then the method's compression; its prompt pages are then handed back to
+          vLLM's pool (kv_pages.py) but for the fast tier's share. Done here, not right after the
+          prompt's last forward pass, the first token is sampled and sent with the prompt's rows
+          still exact: compression is not part of the time to first token.
   after:  surprisal of the prompt tokens prefilled this step, from the model's own logits
-          over them (s_t = -log p(x_t | x_<t)), and compression of every request whose
-          prompt is now complete; its prompt pages are then handed back to vLLM's pool
-          (kv_pages.py) but for the fast tier's share. With `window_growth`, the surprisal of
+          over them (s_t = -log p(x_t | x_<t)), but for a chunk that completes its prompt: its
+          hidden rows are kept for the next step's compression. With `window_growth`, the surprisal of
           compressed requests' output tokens too (from the logits this step computed for
           sampling, resolved once the sampled token is known, at the next step), and the
           spanification of every window that outgrew it, whose pages go back the same way.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +50,20 @@ _DID_NOT_FIT = -1
 MAX_FAILED_STEPS = 3
 
 
+@dataclass(frozen=True)
+class DueCompression:
+    """A request whose prompt the last step completed, compressed at the start of the next.
+
+    prompt: its prompt's token ids
+    hidden: [n, hidden_size] the last hidden states of that step's prompt tokens that predict a
+            prompt token (positions start .. start + n - 1); None when its method reads no surprisal
+    """
+
+    prompt: list[int]
+    hidden: torch.Tensor | None
+    start: int
+
+
 def current_bridge() -> "RunnerBridge | None":
     """The bridge of the runner executing the current step in this process."""
     return _current
@@ -62,6 +81,7 @@ class RunnerBridge:
         # Per compressed request: (position, logits [vocab] float32) of the token the last step's logits
         # predict; its surprisal is known once that token is sampled.
         self._pending_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        self._due: dict[str, DueCompression] = {}
         # Compressed requests whose rows were put in vLLM's pages: how many of their block ids were handed over.
         self._placed: dict[str, int] = {}
         self._kv_pages: dict[str, torch.Tensor] | None = None
@@ -95,6 +115,15 @@ class RunnerBridge:
         for req_id in step.resumed:
             with self._request_work(req_id, "resumption"):
                 self._resume(req_id)
+        due, self._due = self._due, {}
+        for req_id, work in due.items():
+            mem = self.runtime.get(req_id)
+            if mem is None or mem.status is not Status.PREFILLING:
+                continue  # finished, preempted or failed since
+            with self._request_work(req_id, "compression"):
+                if work.hidden is not None:
+                    self._record_surprisal(req_id, work.prompt, work.hidden, 0, work.start, work.hidden.shape[0])
+                self._compress(req_id)
 
     def _resume(self, req_id: str) -> None:
         mem = self.runtime.get(req_id)
@@ -122,12 +151,17 @@ class RunnerBridge:
                 continue
             start = self.runner.computed_tokens(req_id)  # before this step
             n = step.num_tokens.get(req_id, 0)
+            row0 = int(outputs.query_start[i])
+            prompt = self.runner.prompt(req_id)
             with self._request_work(req_id, "compression"):
-                if self.runtime.needs_surprisal(req_id):
-                    self._record_surprisal(req_id, self.runner.prompt(req_id), outputs.hidden,
-                                           int(outputs.query_start[i]), start, n)
-                if start + n >= mem.prompt_len:
-                    self._compress(req_id)
+                if start + n < mem.prompt_len:
+                    if self.runtime.needs_surprisal(req_id):
+                        self._record_surprisal(req_id, prompt, outputs.hidden, row0, start, n)
+                    continue
+                predicting = max(min(start + n, len(prompt) - 1) - start, 0)  # rows that predict a prompt token
+                hidden = (outputs.hidden[row0 : row0 + predicting].clone()  # the buffer is reused next step
+                          if self.runtime.needs_surprisal(req_id) else None)
+                self._due[req_id] = DueCompression(prompt, hidden, start)
         if self.runtime.config.window_growth:
             self._record_output_surprisal(step, outputs.logits)
             for req_id in list(self.runtime.requests):
@@ -169,6 +203,7 @@ class RunnerBridge:
         """Free everything sekv holds for a request (both tiers, page plans), whatever its state."""
         self._page_plans.forget(req_id)
         self._pending_logits.pop(req_id, None)
+        self._due.pop(req_id, None)
         self._placed.pop(req_id, None)
         self.runtime.release(req_id, outcome=outcome)
 
@@ -223,7 +258,7 @@ class RunnerBridge:
         rows, pending = [], []
         for i, req_id in enumerate(req_ids):
             # a window grows by at most max_tokens - 1 rows: no more than `growth`, never spanified
-            if (not self.runtime.is_compressed(req_id) or not self.runtime.needs_surprisal(req_id)
+            if (not (self.runtime.is_compressed(req_id) or req_id in self._due) or not self.runtime.needs_surprisal(req_id)
                     or not self.runner.knows(req_id) or (self.runner.max_tokens(req_id) or growth + 1) <= growth):
                 continue
             before = self._pending_logits.pop(req_id, None)
