@@ -63,7 +63,9 @@ def teacher_records(lm: FrozenLM, config: TrainConfig, model_path: str, heldout:
     desc = "teacher (held-out)" if heldout else "teacher (train)"
     out = []
     for t in tqdm(texts, desc=desc, unit="text", file=sys.stderr):
-        path = cache / f"{t.seed}.pt"
+        # named by the text's tokens too: a changed task template never reads a stale pass
+        digest = hashlib.sha256(t.ids.numpy().tobytes()).hexdigest()[:12]
+        path = cache / f"{t.seed}-{digest}.pt"
         if path.exists():
             out.append(torch.load(path, weights_only=False))
             continue

@@ -144,3 +144,21 @@ def test_heldout_evaluation_splits_by_source(lm, rec):
     lo, hi = sorted(p["span_recall"] for p in per.values())
     assert lo - 1e-6 <= res["span_recall"] <= hi + 1e-6
     assert 0 < res["span_recall"] <= 1
+
+
+def test_cached_teacher_passes_are_those_of_the_same_text(lm, tmp_path, monkeypatch):
+    from sekv_vllm.training import train
+
+    cfg = TrainConfig(train_samples=1, lengths=(300,), sources=("essay",), essay_continuation=16, queries=8,
+                      out_dir=str(tmp_path))
+    passes = []
+    monkeypatch.setattr(train, "teacher_pass", lambda *args: passes.append(args[1].ids) or teacher_pass(*args))
+    first = train.teacher_records(lm, cfg, "model", heldout=False)
+    again = train.teacher_records(lm, cfg, "model", heldout=False)
+    assert len(passes) == 1 and torch.equal(first[0].logp, again[0].logp)  # read back, not run again
+    # the same seed with another text (a task template changed since): run again, never the stale pass
+    build = train.build_texts
+    monkeypatch.setattr(train, "build_texts", lambda *a, **k: [TrainingText(t.source, t.seed, t.ids.flip(0), t.prompt_len,
+                                                                            t.budget_ratio) for t in build(*a, **k)])
+    train.teacher_records(lm, cfg, "model", heldout=False)
+    assert len(passes) == 2 and torch.equal(passes[1], passes[0].flip(0))
