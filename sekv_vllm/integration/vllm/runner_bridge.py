@@ -81,6 +81,7 @@ class RunnerBridge:
         # Per compressed request: (position, logits [vocab] float32) of the token the last step's logits
         # predict; its surprisal is known once that token is sampled.
         self._pending_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        # Requests whose prompt the last step completed: compressed at the start of the next step.
         self._due: dict[str, DueCompression] = {}
         # Compressed requests whose rows were put in vLLM's pages: how many of their block ids were handed over.
         self._placed: dict[str, int] = {}
@@ -151,9 +152,9 @@ class RunnerBridge:
                 continue
             start = self.runner.computed_tokens(req_id)  # before this step
             n = step.num_tokens.get(req_id, 0)
-            row0 = int(outputs.query_start[i])
-            prompt = self.runner.prompt(req_id)
             with self._request_work(req_id, "compression"):
+                row0 = int(outputs.query_start[i])
+                prompt = self.runner.prompt(req_id)
                 if start + n < mem.prompt_len:
                     if self.runtime.needs_surprisal(req_id):
                         self._record_surprisal(req_id, prompt, outputs.hidden, row0, start, n)
