@@ -191,9 +191,9 @@ PROFILES: dict[str, dict] = {
                "tasks": ("needle", "passkey", "niah_multikey", "vt"), "lengths": (1000, 2000, 4000), "samples": 3,
                "budgets": (0.125,)},
     # The defaults (the trained router, every key scored at 2 bits, 16-row window) at fast tiers of 25% and
-    # 12.5% of full KV (a budget bounds every byte), 6 samples per cell.
-    "zoom": {"backends": ("vllm", "sekv:router"), "tasks": ("needle", "passkey", "niah_multikey"),
-             "lengths": (1000, 2000, 4000), "samples": 6, "budgets": (0.25, 0.125)},
+    # 12.5% of full KV (a budget bounds every byte), every family at 1K-8K, 6 samples per cell (hours: resumable).
+    "zoom": {"backends": ("vllm", "sekv:router"), "tasks": tuple(FAMILIES), "lengths": (1000, 2000, 4000, 8000),
+             "samples": 6, "budgets": (0.25, 0.125)},
     # KV quantization composed with SnapKV's choice of rows and with quest's pages, against both at 16 bits and
     # SeKV at the same budgets (a budget is bytes: quantized rows buy more rows, quantized pages more pages read).
     "kv-quant": {"backends": ("vllm", "sekv", "sekv:snapkv", "sekv:snapkv@kv8", "sekv:snapkv@kv4", "sekv:snapkv@kv2",
