@@ -10,8 +10,9 @@ budget_ratio, kvpress's 1 - compression_ratio. vLLM backends run offline (`LLM.g
 through the OpenAI server with `concurrency` requests in flight.
 
 Profiles name ready-made grids: `ci` (a minute or two), `quick` (under 30 minutes on 2 cores),
-`full` (hours; resumable). Evaluation seeds start at EVAL_SEED_BASE; router training draws
-its samples below it, so the two never overlap.
+`full` (hours; resumable). Evaluation seeds start at EVAL_SEED_BASE; `split="dev"` draws other
+samples (seeds from DEV_SEED_BASE) to tune settings on; router training draws its samples below
+both, so none overlap.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from sekv_vllm.config import COMMON_SETTINGS, SeKVConfig
 from sekv_vllm.core.span_keys import QUANT_BITS
 from sekv_vllm.methods import METHODS, QUANTIZING_METHODS
 from sekv_vllm.policies import POLICIES
-from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
+from sekv_vllm.tasks.ruler import DEV_SEED_BASE, EVAL_SEED_BASE, FAMILIES, MAX_TOKENS
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -81,6 +82,8 @@ class Grid(BaseModel):
                                  "(e.g. {'window_size': 16} for SnapKVPress)")
     via: Literal["offline", "server"] = "offline"
     concurrency: int = Field(8, ge=1, le=256)
+    split: Literal["eval", "dev"] = Field("eval", description="eval: the evaluation samples (the published figures); "
+                                          "dev: other samples of the same tasks, to tune settings on")
 
     @field_validator("backends")
     @classmethod
@@ -150,6 +153,10 @@ class Grid(BaseModel):
                 out["score_bits"] = scoring[1]
         return out
 
+    @property
+    def first_seed(self) -> int:
+        return EVAL_SEED_BASE if self.split == "eval" else DEV_SEED_BASE
+
     def jobs(self) -> list[dict]:
         """Every (backend, budget, task, length, seed, depth, max_tokens) cell; full KV has budget 1.0."""
         out = []
@@ -159,7 +166,7 @@ class Grid(BaseModel):
                     for n in self.lengths:
                         for i in range(self.samples):
                             out.append({"backend": backend, "budget": budget, "task": task, "length": n,
-                                        "seed": EVAL_SEED_BASE + i, "depth": DEPTHS[i % len(DEPTHS)],
+                                        "seed": self.first_seed + i, "depth": DEPTHS[i % len(DEPTHS)],
                                         "max_tokens": self.max_tokens or MAX_TOKENS[task]})
         return out
 

@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sekv-config", type=json.loads, default=None, help="JSON SeKVConfig fields")
     parser.add_argument("--press-settings", type=json.loads, default=None, help="JSON keyword settings of the "
                         "kvpress presses")
+    parser.add_argument("--split", default=None, help="eval (default: the published samples) or dev (other "
+                        "samples, to tune settings on)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/suite-PROFILE")
     parser.add_argument("--fresh", action="store_true", help="discard earlier records instead of resuming")
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = make_grid(args.profile, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                          budgets=args.budgets, backends=args.backends, sekv_config=args.sekv_config,
                          press_settings=args.press_settings,
-                         via=args.via, concurrency=args.concurrency)
+                         via=args.via, concurrency=args.concurrency, split=args.split)
     except GridError as err:
         parser.error(str(err))
     from sekv_vllm.entrypoints.default_model import prepare_default_model

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.tasks.ruler import EVAL_SEED_BASE, FAMILIES
+from sekv_vllm.tasks.ruler import DEV_SEED_BASE, FAMILIES
 
 ESSAY = "essay"
 
@@ -25,8 +25,8 @@ class TrainConfig(BaseModel):
     # data: teacher passes are cached in memory and reused for every epoch
     train_samples: int = Field(96, ge=1)
     heldout_samples: int = Field(16, ge=1)
-    first_train_seed: int = Field(0, ge=0, lt=EVAL_SEED_BASE)
-    first_heldout_seed: int = Field(500_000, ge=0, lt=EVAL_SEED_BASE)
+    first_train_seed: int = Field(0, ge=0, lt=DEV_SEED_BASE)
+    first_heldout_seed: int = Field(500_000, ge=0, lt=DEV_SEED_BASE)
     # every RULER-style family: one needle, key-value binding (multikey), several values per key (multivalue),
     # several keys asked at once (multiquery), chained references (vt), word counts (cwe, fwe)
     sources: tuple[str, ...] = (ESSAY, "needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue",
@@ -79,8 +79,9 @@ class TrainConfig(BaseModel):
     def _seed_ranges(self) -> "TrainConfig":
         last_train = self.first_train_seed + self.train_samples
         last_held = self.first_heldout_seed + self.heldout_samples
-        if max(last_train, last_held) > EVAL_SEED_BASE:
-            raise ValueError(f"training seeds must stay below the suite's EVAL_SEED_BASE ({EVAL_SEED_BASE})")
+        if max(last_train, last_held) > DEV_SEED_BASE:
+            raise ValueError(f"training seeds must stay below the suite's DEV_SEED_BASE ({DEV_SEED_BASE}): its dev "
+                             "and evaluation seeds start there")
         if self.first_train_seed < last_held and self.first_heldout_seed < last_train:
             raise ValueError("train and held-out seed ranges overlap")
         return self

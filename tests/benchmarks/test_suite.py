@@ -66,6 +66,10 @@ def test_jobs_cover_the_grid_with_evaluation_seeds():
     assert [(j["backend"], j["budget"]) for j in peers.jobs()] == [("vllm", 1.0)] * 2 + [("kvpress:snapkv", 0.25)] * 2
     assert len({job_key(j) for j in jobs}) == len(jobs)
     assert min(j["seed"] for j in jobs) >= EVAL_SEED_BASE
+    dev = make_grid(tasks=["needle", "vt"], lengths=[1000, 2000], samples=3, budgets=[0.5, 0.25], split="dev").jobs()
+    assert len(dev) == len(jobs) and max(j["seed"] for j in dev) < EVAL_SEED_BASE
+    with pytest.raises(GridError, match="split"):
+        make_grid(split="test")
 
 
 def test_resume_skips_finished_samples_and_drops_a_cut_line(tmp_path):

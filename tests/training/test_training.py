@@ -5,7 +5,7 @@ import torch
 from benchmarks.suite.grid import make_grid
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.router import ZoomRouter
-from sekv_vllm.tasks.ruler import EVAL_SEED_BASE
+from sekv_vllm.tasks.ruler import DEV_SEED_BASE
 from sekv_vllm.training.config import TrainConfig, TrainConfigError
 from sekv_vllm.training.data import TrainingText, build_texts
 from sekv_vllm.training.losses import kl_to_teacher, router_losses
@@ -104,11 +104,11 @@ def test_training_seeds_are_disjoint_from_the_suite(lm):
     cfg = TrainConfig(train_samples=7, heldout_samples=3, lengths=(300,))
     seeds = [t.seed for t in build_texts(cfg, lm.tokenizer, heldout=False)]
     held = [t.seed for t in build_texts(cfg, lm.tokenizer, heldout=True)]
-    suite = {j["seed"] for j in make_grid("full").jobs()}
-    assert max(seeds + held) < EVAL_SEED_BASE <= min(suite)
+    suite = {j["seed"] for split in ("eval", "dev") for j in make_grid("full", split=split).jobs()}
+    assert max(seeds + held) < DEV_SEED_BASE <= min(suite)
     assert not set(seeds) & set(held)
-    with pytest.raises(TrainConfigError, match="EVAL_SEED_BASE"):
-        TrainConfig.load(None, first_heldout_seed=EVAL_SEED_BASE - 2, heldout_samples=5)
+    with pytest.raises(TrainConfigError, match="DEV_SEED_BASE"):
+        TrainConfig.load(None, first_heldout_seed=DEV_SEED_BASE - 2, heldout_samples=5)
     with pytest.raises(TrainConfigError, match="overlap"):
         TrainConfig.load(None, first_train_seed=0, train_samples=100, first_heldout_seed=50)
     with pytest.raises(TrainConfigError, match="sources"):
