@@ -128,15 +128,17 @@ class ZoomRouter(nn.Module):
 
     # -- gates ---------------------------------------------------------------------------
     def gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor:
-        """singular: [S, Hkv, R] singular values of each span's keys (R <= r_max, descending);
-        summary_k: [S, Hkv, D]. Returns g [S, Hkv, R] in (0, 1)."""
+        """singular: [S, Hkv, R] singular values of each span's keys (descending); summary_k: [S, Hkv, D].
+        Returns g [S, Hkv, R] in (0, 1]: the first r_max directions gated, any beyond them (spans longer than
+        the router was trained on) kept whole (1)."""
         S, Hkv, R = singular.shape
-        rel = singular.float() / singular[..., :1].float().clamp(min=1e-12)
-        rel = nn.functional.pad(rel, (0, self.r_max - R))
+        rel = singular[..., :self.r_max].float() / singular[..., :1].float().clamp(min=1e-12)
+        rel = nn.functional.pad(rel, (0, self.r_max - rel.shape[-1]))
         x = torch.cat([rel, nn.functional.normalize(summary_k.float(), dim=-1)], dim=-1)
         h = nn.functional.gelu(x @ self.w1[layer] + self.b1[layer])
         h = nn.functional.gelu(h @ self.w2[layer] + self.b2[layer])
-        return torch.sigmoid(h @ self.w3[layer] + self.b3[layer])[..., :R]
+        g = torch.sigmoid(h @ self.w3[layer] + self.b3[layer])
+        return nn.functional.pad(g, (0, R - self.r_max), value=1.0) if R > self.r_max else g[..., :R]
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -32,6 +32,18 @@ def test_shapes_and_parameter_count():
     assert r.threshold_logit(0).shape == (H,)
 
 
+def test_directions_beyond_the_routers_rank_are_kept_whole():
+    # spans longer than the router was trained on (max_span and r_max above its r_max): its gates for the
+    # first r_max directions, the rest kept (gate 1)
+    r = ZoomRouter(SHAPE, r_max=4)
+    sk = torch.randn(7, 2, 16)
+    sing = torch.rand(7, 2, 6).sort(-1, descending=True).values
+    g = r.gates(1, sing, sk)
+    assert g.shape == (7, 2, 6)
+    assert torch.allclose(g[..., :4], r.gates(1, sing[..., :4], sk))
+    assert (g[..., 4:] == 1).all() and (g[..., :4] < 1).all()
+
+
 def test_default_model_router_share_is_reported_small():
     # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads, head_dim 64 -> under 1% of 134.5M parameters
     r = ZoomRouter(ModelShape(30, 9, 3, 64))
