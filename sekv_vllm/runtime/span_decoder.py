@@ -55,7 +55,7 @@ class BatchSpans:
 
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
-    rows per KV head; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its
+    rows per KV head, whole_budgets [B] the most of them whole spans take; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its
     request recalls keys, does not zoom every span, and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D]
     concatenate the requests' spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list
     them (the C++ kernel's); each is made on first use.
@@ -66,6 +66,7 @@ class BatchSpans:
     features: tuple[torch.Tensor, ...]
     seg: torch.Tensor
     budgets: torch.Tensor
+    whole_budgets: torch.Tensor
     zoom_all: torch.Tensor
     per_key: torch.Tensor
     span_offset: list[int]
@@ -108,13 +109,16 @@ class BatchSpans:
 
 class SpanDecoder:
     """The batch's spans per layer (cached) and their attention; max_span pads the torch path's factors;
-    recall_keys: spend the zoom rows whole spans leave over on single keys (`SeKVConfig.recall_keys`)."""
+    recall_keys: spend the zoom rows whole spans leave over on single keys (`SeKVConfig.recall_keys`), of which
+    whole spans take at most whole_span_share where keys are recalled (`SeKVConfig.whole_span_share`)."""
 
-    def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int, recall_keys: bool) -> None:
+    def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int, recall_keys: bool,
+                 whole_span_share: float) -> None:
         self.policy = policy
         self.pool = pool
         self.max_span = max_span
         self.recall_keys = recall_keys
+        self.whole_span_share = whole_span_share
         # Per layer, the spans of the last batch that decoded.
         self._cache: dict[str, BatchSpans] = {}
 
@@ -136,17 +140,17 @@ class SpanDecoder:
         counts = [m.keys.num_spans for m in layers]
         # a request that zooms every span is never scored: no features, a placeholder
         features = tuple(m.key_features.get(layer_name, _NO_FEATURES) for m in mems)
+        recalls = [self.recall_keys and not mem.zoom_all and m.keys.every_key_a_centroid for mem, m in zip(mems, layers)]
         batch = BatchSpans(
             req_ids=key,
             layers=layers,
             features=features,
             seg=torch.repeat_interleave(torch.arange(len(req_ids)), torch.tensor(counts, dtype=torch.int64)),
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
+            whole_budgets=torch.tensor([int(m.zoom_budget * self.whole_span_share) if r else m.zoom_budget
+                                        for m, r in zip(mems, recalls)], dtype=torch.int64),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
-            per_key=torch.repeat_interleave(
-                torch.tensor([self.recall_keys and not mem.zoom_all and m.keys.every_key_a_centroid
-                              for mem, m in zip(mems, layers)]),
-                torch.tensor(counts, dtype=torch.int64)),
+            per_key=torch.repeat_interleave(torch.tensor(recalls), torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
         )
         self._cache[layer_name] = batch
@@ -164,7 +168,8 @@ class SpanDecoder:
             new_k=_NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
             new_v=_NO_NEW_ROWS if new_v is None else new_v.float().contiguous(),
             **batch.kernel_spans, **batch.kernel_bases,
-            key_features=list(batch.features) if learned else [], budgets=batch.budgets, zoom_all=batch.zoom_all,
+            key_features=list(batch.features) if learned else [], budgets=batch.budgets,
+            whole_budgets=batch.whole_budgets, zoom_all=batch.zoom_all,
             recall_keys=self.recall_keys,
             query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
             threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
@@ -178,7 +183,7 @@ class SpanDecoder:
         score, eligible = self.policy.span_scores(layer, q, batch.seg, keys, scale)
         Hkv, D = keys.summary_k.shape[1:]
         B = len(batch.req_ids)
-        zoom = segment_budgeted_zoom(score, batch.seg, keys.span_len, batch.budgets, Hkv, eligible)
+        zoom = segment_budgeted_zoom(score, batch.seg, keys.span_len, batch.whole_budgets, Hkv, eligible)
         zoom |= batch.zoom_all[batch.seg][:, None]
         whole = zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]  # [S, Hkv]
         L = self.max_span

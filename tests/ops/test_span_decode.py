@@ -54,6 +54,9 @@ CASES = {
     # at 12.5% "a" keeps 16 k-means centroids (no key recalled) beside "b", which keeps every key
     "router, 12.5%, keys recalled beside a request that cannot": dict(budget_ratio=0.125),
     "router, every key at 2 bits, whole spans only": dict(budget_ratio=0.15, score_centroids=32, recall_keys=False),
+    # whole spans take at most half the zoom rows, single keys the rest
+    "router, every key at 2 bits, half the zoom rows for keys": dict(budget_ratio=0.15, score_centroids=32,
+                                                                    whole_span_share=0.5),
     # recalled keys rebuilt from their spans' factors
     "span_score, low-rank factors, every key at 4 bits, keys recalled": dict(
         budget_ratio=0.25, zoom_policy="span_score", r_max=8, score_centroids=32, score_bits=4),
@@ -112,8 +115,9 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     with pytest.raises(RuntimeError, match="every per-request list"):
         kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
                            **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
+                           whole_budgets=torch.zeros(2, dtype=torch.int64),
                            zoom_all=torch.zeros(2, dtype=torch.bool), recall_keys=True, **common)
-    with pytest.raises(TypeError):  # named arguments only: 29 of them, several of one type
+    with pytest.raises(TypeError):  # named arguments only: 30 of them, several of one type
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
@@ -123,7 +127,8 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
                 centroid_lo=[m.keys.codes.lo], centroid_step=[m.keys.codes.step],
                 centroid_range=[m.keys.codes.range_of], code_bits=2, key_features=[],
                 coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
-                row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), zoom_all=torch.tensor([False]),
+                row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), whole_budgets=torch.tensor([4]),
+                zoom_all=torch.tensor([False]),
                 recall_keys=True)
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
         kernel.span_decode(**args)
@@ -233,3 +238,17 @@ def test_a_missing_kernel_is_an_error_when_required_and_a_logged_fallback_otherw
     assert rt.sekv.kernel is None and "decoding with the torch ops" in caplog.text
     with pytest.raises(ValueError, match="decode_kernel"):
         SeKVConfig(decode_kernel="cuda")
+
+
+@pytest.mark.parametrize("path", ["torch", "cpp"])
+def test_whole_spans_take_at_most_their_share_of_the_zoom_rows(path):
+    # share 0: a request that recalls keys reads single keys only, as many as its zoom rows (per KV head)
+    rt = _runtime({"a": 900, "b": 1300}, budget_ratio=0.15, score_centroids=32, whole_span_share=0.0)
+    if path == "cpp":
+        rt.sekv.kernel = kernel_or_skip()
+    q = torch.randn(2, SHAPE.num_heads, SHAPE.head_dim, generator=torch.Generator().manual_seed(4)) * 2
+    rt.attend_batch(["a", "b"], LAYERS[0], q, 0.125)
+    for r in ("a", "b"):
+        mem = rt.requests[r]
+        assert mem.zoom_budget > 32 and mem.zoomed_spans_total == 0
+        assert mem.recalled_keys_total == mem.zoom_budget * SHAPE.num_kv_heads
