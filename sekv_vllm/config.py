@@ -60,8 +60,9 @@ class SeKVConfig(BaseModel):
                                      "bytes; overrides budget_ratio")
     min_prompt_tokens: int = Field(512, ge=0, description="shorter prompts keep full KV")
     # 16, not more: at a 12.5% budget of a 1K prompt (125 rows) a 64-row window left less than one
-    # span to zoom (suite, benchmarks/results/suite-zoom).
-    window: int = Field(16, ge=1, description="last prompt tokens kept at full resolution")
+    # span to zoom (suite, benchmarks/results/suite-zoom); there even 16 narrows (runtime/span_budget.py).
+    window: int = Field(16, ge=1, description="last prompt tokens kept at full resolution (a tight budget narrows "
+                        "the prompt's to as little as half: see plan_layout)")
     window_growth: int = Field(
         256, ge=0, description="rows the full-resolution window (the prompt's last tokens, then the output) may "
         "grow past `window` before its oldest rows are segmented and compressed as the prompt was (their vLLM "

@@ -39,3 +39,18 @@ def test_a_tight_budget_takes_rows_from_the_zoom_before_the_scoring_codes():
     # a floor of more spans than the codes leave: centroids are cut rather than the zoom
     greedy = plan_layout(_surprisal(T), 0.125 * T, SeKVConfig(min_zoom_spans=8), COSTS)
     assert greedy.centroids < 32 and greedy.zoom_budget >= 0.5 * 0.125 * T - 1
+
+
+def test_a_short_prompt_window_gives_the_zoom_rows_for_single_keys():
+    config = SeKVConfig()
+    T = 1000
+    plan = plan_layout(_surprisal(T), 0.125 * T, config, COSTS)
+    whole = plan_layout(_surprisal(T), 0.125 * T, SeKVConfig(recall_keys=False), COSTS)  # the window never narrows
+    window = T - plan.layout.window_start
+    assert config.window // 2 <= window < config.window and T - whole.layout.window_start == config.window
+    # with the whole window the codes of every key did not fit beside one zoomed span; narrower, they do, and
+    # the zoom has rows beyond that span for single keys
+    assert whole.centroids < config.max_span <= plan.centroids
+    assert plan.zoom_budget - (config.max_span - 1) > 0
+    # from 2K tokens the zoom has the rows: the window is whole
+    assert T * 2 - plan_layout(_surprisal(2 * T), 0.125 * 2 * T, config, COSTS).layout.window_start == config.window
