@@ -100,7 +100,8 @@ def plan_layout(surprisal: torch.Tensor, budget: float, config: SeKVConfig, cost
     the plan is the smallest layout (its `fast_rows` then exceed the budget: the caller says so).
     The window is `config.window` rows unless a narrower one (down to half of it) lets the zoom recall
     single keys (`recall_keys`: every key a scoring centroid) with as many rows beyond `min_zoom_spans` whole
-    spans as the window keeps: then the widest such window, or the narrowest where none has as many.
+    spans as the window keeps: then the widest such window (by bisection: a narrower window leaves the zoom
+    more rows), or the narrowest where none has as many.
     """
     plan = _plan(surprisal, budget, config, costs, config.window)
     if plan.zoom_all or not config.recall_keys or _keys_beyond(plan, config) >= config.window:
@@ -117,7 +118,7 @@ def plan_layout(surprisal: torch.Tensor, budget: float, config: SeKVConfig, cost
             lo = mid
         else:
             hi = mid - 1
-    return plans[lo] if lo in plans else _plan(surprisal, budget, config, costs, lo)
+    return plans[lo]
 
 
 def _keys_beyond(plan: SpanPlan, config: SeKVConfig) -> int:
