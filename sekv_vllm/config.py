@@ -80,8 +80,9 @@ class SeKVConfig(BaseModel):
         "read); needs every key a scoring centroid (score_centroids >= max_span, as the budget allows); false: "
         "whole spans only")
     whole_span_share: float = Field(
-        1.0, ge=0.0, le=1.0, description="share of a request's zoom rows that whole spans may take where its keys are "
-        "recalled (recall_keys, every key a scoring centroid); the rest, and what whole spans leave, goes to single keys")
+        1.0, ge=0.0, le=1.0, description="share of a request's zoom rows that whole spans may take where its keys "
+        "are recalled (recall_keys, every key a scoring centroid); the rest, and what whole spans leave, goes to "
+        "single keys")
     surprisal_precision: Literal["auto", "bfloat16", "model"] = Field(
         "auto", description="the prompt-token surprisal SeKV segments by: 'model' from the model's own logits (its "
         "dtype, vLLM's logits processor); 'bfloat16' from a bfloat16 copy of the output projection (within ~0.1 "

@@ -55,10 +55,11 @@ class BatchSpans:
 
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
-    rows per KV head, whole_budgets [B] the most of them whole spans take; zoom_all [B] bool; per_key [S] bool: the span's keys may be recalled one by one (its
-    request recalls keys, does not zoom every span, and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D]
-    concatenate the requests' spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list
-    them (the C++ kernel's); each is made on first use.
+    rows per KV head, whole_budgets [B] the most of them whole spans take; zoom_all [B] bool; per_key [S]
+    bool: the span's keys may be recalled one by one (its request recalls keys, does not zoom every span,
+    and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D] concatenate the requests'
+    spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each is
+    made on first use.
     """
 
     req_ids: tuple[str, ...]
@@ -140,7 +141,8 @@ class SpanDecoder:
         counts = [m.keys.num_spans for m in layers]
         # a request that zooms every span is never scored: no features, a placeholder
         features = tuple(m.key_features.get(layer_name, _NO_FEATURES) for m in mems)
-        recalls = [self.recall_keys and not mem.zoom_all and m.keys.every_key_a_centroid for mem, m in zip(mems, layers)]
+        recalls = [self.recall_keys and not mem.zoom_all and m.keys.every_key_a_centroid
+                   for mem, m in zip(mems, layers)]
         batch = BatchSpans(
             req_ids=key,
             layers=layers,
