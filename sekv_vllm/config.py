@@ -83,6 +83,11 @@ class SeKVConfig(BaseModel):
         1.0, ge=0.0, le=1.0, description="share of a request's zoom rows that whole spans may take where its keys "
         "are recalled (recall_keys, every key a scoring centroid); the rest, and what whole spans leave, goes to "
         "single keys")
+    whole_span_min_share: float = Field(
+        0.0, ge=0.0, le=1.0, description="where keys are recalled, a span is zoomed whole only when its score holds "
+        "at least this share of its request's span scores (a softmax over the spans' scores, per KV head): where "
+        "no span stands out the zoom spreads over single keys of many spans, a span that dominates is read whole; "
+        "0: whole spans by score alone")
     surprisal_precision: Literal["auto", "bfloat16", "model"] = Field(
         "auto", description="the prompt-token surprisal SeKV segments by: 'model' from the model's own logits (its "
         "dtype, vLLM's logits processor); 'bfloat16' from a bfloat16 copy of the output projection (within ~0.1 "

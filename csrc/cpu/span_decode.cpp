@@ -370,6 +370,7 @@ struct Request {
   bool rows;  // the bases hold the span rows themselves (no basis)
   int64_t budget;
   int64_t whole_budget;  // the rows whole spans may take of budget
+  float log_min_share;  // a span zoomed whole holds at least this log share of the request's span scores
   bool zoom_all;
   bool recall;  // the rows whole spans leave over go to single keys (every centroid one key)
 };
@@ -417,7 +418,9 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // lists when no request has codes); log_count [S_b, Hkv, C_b] float16, or empty when every centroid is one key; key_features [S_b, H] float16 (empty
 // list: no learned term); coef_k/coef_v [P_b, Hkv, R_b] and basis_k/basis_v [S_b, Hkv, R_b, D]
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
-// |s| - 1), whole_budgets [B] int64 the most of them whole spans take; zoom_all [B] bool; recall_keys: the rows a request's whole spans leave over go to the best single keys
+// |s| - 1), whole_budgets [B] int64 the most of them whole spans take, min_shares [B] float32 the least share of
+// the request's span scores (a softmax over its eligible spans' group scores, per KV head) a span zoomed whole
+// holds; zoom_all [B] bool; recall_keys: the rows a request's whole spans leave over go to the best single keys
 // of its other eligible spans, one row each (requests whose centroids are their keys: empty log_count), a key
 // scored as its centroid's logit plus what its span's score adds to their logsumexp, and a summary then stands for
 // its span's tokens not read. query_features [B, H, D] float32 or empty: the learned term of span s
@@ -435,7 +438,7 @@ std::vector<torch::Tensor> span_decode(
     const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
     const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
     const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& whole_budgets,
-    const torch::Tensor& zoom_all,
+    const torch::Tensor& min_shares, const torch::Tensor& zoom_all,
     bool recall_keys, const torch::Tensor& query_features, const torch::Tensor& bias, const torch::Tensor& threshold,
     double scale, double score_scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
@@ -465,9 +468,10 @@ std::vector<torch::Tensor> span_decode(
   const float* thr_p = f32(threshold, "threshold");
   const int64_t* budget_p = i64(budgets, "budgets");
   const int64_t* whole_budget_p = i64(whole_budgets, "whole_budgets");
+  const float* min_share_p = f32(min_shares, "min_shares");
   TORCH_CHECK(zoom_all.scalar_type() == torch::kBool, "zoom_all must be bool");
   const bool* zoom_all_p = zoom_all.data_ptr<bool>();
-  TORCH_CHECK(budgets.numel() == B && whole_budgets.numel() == B && zoom_all.numel() == B,
+  TORCH_CHECK(budgets.numel() == B && whole_budgets.numel() == B && min_shares.numel() == B && zoom_all.numel() == B,
               "budgets, whole_budgets and zoom_all must have B entries");
 
   const int64_t* num_full_p = i64(num_full, "num_full");
@@ -563,6 +567,7 @@ std::vector<torch::Tensor> span_decode(
                 "keys and values must share the rank (rows: head_dim)");
     r.budget = budget_p[b];
     r.whole_budget = std::min(whole_budget_p[b], r.budget);
+    r.log_min_share = std::log(min_share_p[b]);
     r.zoom_all = zoom_all_p[b];
     r.recall = recall_keys && !r.zoom_all && r.log_count == nullptr;
     span_offset[b + 1] = span_offset[b] + r.num_spans;
@@ -750,11 +755,23 @@ std::vector<torch::Tensor> span_decode(
         order.resize(S);
         for (int64_t s = 0; s < S; ++s) order[s] = order_key(group[s], s);
         std::make_heap(order.begin(), order.end());
+        // a span's log share of the request's span scores: its score less their logsumexp
+        float total = kNegInf;
+        if (r.log_min_share > kNegInf) {
+          float top = kNegInf;
+          for (int64_t s = 0; s < S; ++s) top = std::max(top, group[s]);
+          if (top > kNegInf) {
+            float sum = 0.f;
+            for (int64_t s = 0; s < S; ++s) sum += std::exp(group[s] - top);
+            total = top + std::log(sum);
+          }
+        }
         int64_t rows = 0;
         for (auto end = order.end(); end != order.begin(); --end) {
           std::pop_heap(order.begin(), end);
           const int64_t s = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(*(end - 1)));
           if (rows + r.span_len[s] - 1 > r.whole_budget || group[s] == kNegInf) break;
+          if (r.log_min_share > kNegInf && group[s] - total < r.log_min_share) break;
           rows += r.span_len[s] - 1;
           zoomed[s] = 1;
         }
@@ -921,7 +938,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("centroid_range"),
         py::arg("code_bits"),
         py::arg("key_features"), py::arg("coef_k"), py::arg("basis_k"), py::arg("coef_v"), py::arg("basis_v"),
-        py::arg("row_offset"), py::arg("budgets"), py::arg("whole_budgets"), py::arg("zoom_all"), py::arg("recall_keys"),
+        py::arg("row_offset"), py::arg("budgets"), py::arg("whole_budgets"), py::arg("min_shares"), py::arg("zoom_all"), py::arg("recall_keys"),
         py::arg("query_features"), py::arg("bias"),
         py::arg("threshold"), py::arg("scale"), py::arg("score_scale"));
 }

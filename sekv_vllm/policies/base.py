@@ -11,8 +11,10 @@ from sekv_vllm.core import SpanKeys
 
 
 def segment_budgeted_zoom(score: torch.Tensor, seg: torch.Tensor, span_len: torch.Tensor, budgets: torch.Tensor,
-                          num_kv_heads: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
-    """Per request, zoom spans by descending score until the extra rows would pass its budget.
+                          num_kv_heads: int, eligible: torch.Tensor | None = None,
+                          min_shares: torch.Tensor | None = None) -> torch.Tensor:
+    """Per request, zoom spans by descending score until the extra rows would pass its budget, or a span's
+    share of its request's span scores (a softmax over its eligible spans, per KV head) is below its min_share.
 
     score:    [S, H] float  higher = more needed; the spans of all requests, request by request
     seg:      [S] int64     request of each span, non-decreasing
@@ -20,6 +22,7 @@ def segment_budgeted_zoom(score: torch.Tensor, seg: torch.Tensor, span_len: torc
     budgets:  [B] int64     extra rows allowed per KV head of each request; zooming span s costs
                             |s| - 1 rows (its tokens replace its summary row)
     eligible: [S, H] bool or None; a span no head of a group finds eligible is not zoomed
+    min_shares: [B] float in [0, 1] or None; 0 (None: every request) zooms by score and budget alone
     returns   [S, H] bool, the same for every query head of a KV group
     """
     S, H = score.shape
@@ -35,10 +38,23 @@ def segment_budgeted_zoom(score: torch.Tensor, seg: torch.Tensor, span_len: torc
     first = torch.searchsorted(seg, seg, right=False)  # first row of each span's request
     before = torch.cat([total.new_zeros(1, num_kv_heads), total])[first]  # cost of earlier requests
     take_sorted = (total - before) <= budgets[seg][:, None]
+    if min_shares is not None and bool((min_shares > 0).any()):
+        share = group - segment_logsumexp(group, seg, budgets.numel())[seg]  # log of each span's share
+        take_sorted &= share.gather(0, order) >= torch.log(min_shares.to(share.dtype))[seg][:, None]
     if eligible is not None:
         take_sorted &= group.gather(0, order) > float("-inf")
     take = torch.zeros_like(take_sorted).scatter(0, order, take_sorted)
     return take.repeat_interleave(G, dim=1)
+
+
+def segment_logsumexp(x: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """x [S, K] float, seg [S] int64 -> [num_segments, K]: the logsumexp of each segment's rows (-inf: none
+    finite)."""
+    top = torch.full((num_segments, x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device)
+    top = top.scatter_reduce(0, seg[:, None].expand_as(x), x, "amax")
+    shift = top.masked_fill(top == float("-inf"), 0.0)
+    sums = torch.zeros_like(top).index_add_(0, seg, torch.exp(x - shift[seg]))
+    return torch.log(sums) + shift
 
 
 def segment_key_recall(key_score: torch.Tensor, seg: torch.Tensor, span_len: torch.Tensor, zoom: torch.Tensor,

@@ -55,7 +55,8 @@ class BatchSpans:
 
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
-    rows per KV head, whole_budgets [B] the most of them whole spans take; zoom_all [B] bool; per_key [S]
+    rows per KV head, whole_budgets [B] the most of them whole spans take, min_shares [B] float32 the least
+    share of its request's span scores a span zoomed whole has (`segment_budgeted_zoom`); zoom_all [B] bool; per_key [S]
     bool: the span's keys may be recalled one by one (its request recalls keys, does not zoom every span,
     and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D] concatenate the requests'
     spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each is
@@ -68,6 +69,7 @@ class BatchSpans:
     seg: torch.Tensor
     budgets: torch.Tensor
     whole_budgets: torch.Tensor
+    min_shares: torch.Tensor
     zoom_all: torch.Tensor
     per_key: torch.Tensor
     span_offset: list[int]
@@ -111,15 +113,17 @@ class BatchSpans:
 class SpanDecoder:
     """The batch's spans per layer (cached) and their attention; max_span pads the torch path's factors;
     recall_keys: spend the zoom rows whole spans leave over on single keys (`SeKVConfig.recall_keys`), of which
-    whole spans take at most whole_span_share where keys are recalled (`SeKVConfig.whole_span_share`)."""
+    whole spans take at most whole_span_share where keys are recalled (`SeKVConfig.whole_span_share`), and only
+    spans holding whole_span_min_share of their request's span scores (`SeKVConfig.whole_span_min_share`)."""
 
     def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int, recall_keys: bool,
-                 whole_span_share: float) -> None:
+                 whole_span_share: float, whole_span_min_share: float) -> None:
         self.policy = policy
         self.pool = pool
         self.max_span = max_span
         self.recall_keys = recall_keys
         self.whole_span_share = whole_span_share
+        self.whole_span_min_share = whole_span_min_share
         # Per layer, the spans of the last batch that decoded.
         self._cache: dict[str, BatchSpans] = {}
 
@@ -151,6 +155,7 @@ class SpanDecoder:
             budgets=torch.tensor([m.zoom_budget for m in mems], dtype=torch.int64),
             whole_budgets=torch.tensor([int(m.zoom_budget * self.whole_span_share) if r else m.zoom_budget
                                         for m, r in zip(mems, recalls)], dtype=torch.int64),
+            min_shares=torch.tensor([self.whole_span_min_share if r else 0.0 for r in recalls], dtype=torch.float32),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
             per_key=torch.repeat_interleave(torch.tensor(recalls), torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
@@ -171,7 +176,7 @@ class SpanDecoder:
             new_v=_NO_NEW_ROWS if new_v is None else new_v.float().contiguous(),
             **batch.kernel_spans, **batch.kernel_bases,
             key_features=list(batch.features) if learned else [], budgets=batch.budgets,
-            whole_budgets=batch.whole_budgets, zoom_all=batch.zoom_all,
+            whole_budgets=batch.whole_budgets, min_shares=batch.min_shares, zoom_all=batch.zoom_all,
             recall_keys=self.recall_keys,
             query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
             threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
@@ -185,7 +190,8 @@ class SpanDecoder:
         score, eligible = self.policy.span_scores(layer, q, batch.seg, keys, scale)
         Hkv, D = keys.summary_k.shape[1:]
         B = len(batch.req_ids)
-        zoom = segment_budgeted_zoom(score, batch.seg, keys.span_len, batch.whole_budgets, Hkv, eligible)
+        zoom = segment_budgeted_zoom(score, batch.seg, keys.span_len, batch.whole_budgets, Hkv, eligible,
+                                     batch.min_shares)
         zoom |= batch.zoom_all[batch.seg][:, None]
         whole = zoom.view(zoom.shape[0], Hkv, -1)[:, :, 0]  # [S, Hkv]
         L = self.max_span

@@ -70,7 +70,8 @@ class SpanRunner(MethodRunner):
                                               router_weights=config.router_weights)
         self.compression = SpanCompression(config, layer_names, self.policy, pool, OWN_BLOCK,
                                            load_eigh(config.decode_kernel))
-        self.spans = SpanDecoder(self.policy, pool, config.max_span, config.recall_keys, config.whole_span_share)
+        self.spans = SpanDecoder(self.policy, pool, config.max_span, config.recall_keys, config.whole_span_share,
+                                  config.whole_span_min_share)
         self.kernel: ModuleType | None = load_kernel(config.decode_kernel)
 
     @property

@@ -37,6 +37,32 @@ def test_segment_zoom_is_the_per_request_zoom():
         assert torch.equal(got[m], want), b
 
 
+def test_whole_spans_hold_their_min_share_of_the_span_scores():
+    """min_shares: only spans whose softmax share of their request's span scores (eligible spans, the KV
+    group's best head) reaches their request's minimum are zoomed, best first while the budget lasts."""
+    g = torch.Generator().manual_seed(1)
+    lens = [9, 14, 6]
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    score = torch.randn(seg.numel(), H, generator=g) * 3
+    span_len = torch.randint(4, 17, (seg.numel(),), generator=g)
+    eligible = torch.rand(seg.numel(), H, generator=g) > 0.2
+    budgets = torch.tensor([1000, 1000, 20])
+    min_shares = torch.tensor([0.0, 0.15, 0.3])
+    got = segment_budgeted_zoom(score, seg, span_len, budgets, HKV, eligible, min_shares)
+    group = score.masked_fill(~eligible, float("-inf")).view(-1, HKV, H // HKV).amax(2)
+    for b in range(3):
+        m = seg == b
+        share = torch.softmax(group[m], dim=0)  # [S_b, Hkv]
+        for kh in range(HKV):
+            cols = slice(kh * (H // HKV), (kh + 1) * (H // HKV))
+            want = budgeted_zoom(score[m][:, cols].T, span_len[m], int(budgets[b]), 1,
+                                 (eligible[m][:, cols] & (share[:, kh:kh + 1] >= min_shares[b])).T).T
+            assert torch.equal(got[m][:, cols], want), (b, kh)
+    # the first request zooms every eligible span (its budget holds them); the others only those that stand out
+    assert torch.equal(got[seg == 0].view(-1, HKV, H // HKV)[..., 0], (group[seg == 0] > float("-inf")))
+    assert 0 < int(got[seg == 1].sum()) < int((group[seg == 1] > float("-inf")).sum()) * (H // HKV)
+
+
 def test_batch_equals_each_request_alone():
     reqs = [request(T, seed, c) for T, seed, c in [(300, 1, 4), (120, 2, 0), (500, 3, 4)]]
     policy = SpanScorePolicy()

@@ -58,6 +58,9 @@ CASES = {
     # whole spans take at most half the zoom rows, single keys the rest
     "router, every key at 2 bits, half the zoom rows for keys": dict(budget_ratio=0.15, score_centroids=32,
                                                                     whole_span_share=0.5),
+    # a span goes whole only where it holds a fifth of its request's span scores (per KV head)
+    "router, every key at 2 bits, whole spans that stand out": dict(budget_ratio=0.15, score_centroids=32,
+                                                                    whole_span_min_share=0.2),
     # recalled keys rebuilt from their spans' factors
     "span_score, low-rank factors, every key at 4 bits, keys recalled": dict(
         budget_ratio=0.25, zoom_policy="span_score", r_max=8, score_centroids=32, score_bits=4),
@@ -116,9 +119,9 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
     with pytest.raises(RuntimeError, match="every per-request list"):
         kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
                            **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
-                           whole_budgets=torch.zeros(2, dtype=torch.int64),
+                           whole_budgets=torch.zeros(2, dtype=torch.int64), min_shares=torch.zeros(2),
                            zoom_all=torch.zeros(2, dtype=torch.bool), recall_keys=True, **common)
-    with pytest.raises(TypeError):  # named arguments only: 30 of them, several of one type
+    with pytest.raises(TypeError):  # named arguments only: 31 of them, several of one type
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
@@ -129,7 +132,7 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
                 centroid_range=[m.keys.codes.range_of], code_bits=2, key_features=[],
                 coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
                 row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), whole_budgets=torch.tensor([4]),
-                zoom_all=torch.tensor([False]),
+                min_shares=torch.zeros(1), zoom_all=torch.tensor([False]),
                 recall_keys=True)
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
         kernel.span_decode(**args)
