@@ -472,7 +472,7 @@ std::vector<torch::Tensor> span_decode(
   TORCH_CHECK(zoom_all.scalar_type() == torch::kBool, "zoom_all must be bool");
   const bool* zoom_all_p = zoom_all.data_ptr<bool>();
   TORCH_CHECK(budgets.numel() == B && whole_budgets.numel() == B && min_shares.numel() == B && zoom_all.numel() == B,
-              "budgets, whole_budgets and zoom_all must have B entries");
+              "budgets, whole_budgets, min_shares and zoom_all must have B entries");
 
   const int64_t* num_full_p = i64(num_full, "num_full");
   TORCH_CHECK(num_full.numel() == B, "num_full must have B entries");
