@@ -21,9 +21,6 @@ def kernel_or_skip():
 
 
 def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, **cfg) -> SeKVRuntime:
-    # these random keys seldom give a span 30% of its request's span scores (the default whole_span_min_share):
-    # whole spans by score alone unless a case sets a share
-    cfg.setdefault("whole_span_min_share", 0.0)
     rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, shape,
                      "SmolLM2-135M-Instruct")
     Hkv, D = shape.num_kv_heads, shape.head_dim
