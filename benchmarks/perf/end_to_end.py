@@ -58,8 +58,12 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
     second: dict[str, float] = {}
     last: dict[str, float] = {}
     timeline = []
+    preemptions: dict[str, int] = {}
     while engine.has_unfinished_requests():
         outs = engine.step()
+        for request in scheduler.running:
+            if request.num_preemptions:
+                preemptions[request.request_id] = request.num_preemptions
         now = time.perf_counter() - t0
         for out in outs:
             n = len(out.outputs[0].token_ids)
@@ -80,7 +84,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
         "t2_s": {"p50": round(percentile(list(second.values()), 0.5), 3),
                  "p90": round(percentile(list(second.values()), 0.9), 3)} if second else None,
         "tpot_s": {"p50": round(percentile(tpot, 0.5), 4), "p90": round(percentile(tpot, 0.9), 4)} if tpot else None,
-        "max_concurrent": max(n for _, n in timeline), "timeline": timeline,
+        "max_concurrent": max(n for _, n in timeline), "preemptions": sum(preemptions.values()), "timeline": timeline,
     }
 
 
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-repeats", type=int, default=3, help="runs per length alone (the median is the figure)")
     parser.add_argument("--budget", type=float, default=0.125, help="sekv budget_ratio")
     parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) for both")
+    parser.add_argument("--backends", nargs="+", choices=["vllm", "sekv"], default=["vllm", "sekv"],
+                        help="both for the ratios; one alone for a quick look (no ratios then)")
+    parser.add_argument("--no-alone", action="store_true", help="skip the requests alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end_cpu.json")
     args = parser.parse_args(argv)
     model = worker_or_model(args.worker, worker)
@@ -133,18 +140,24 @@ def main(argv: list[str] | None = None) -> int:
                     "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "whole_run": {}, "alone": {}}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
     common = {"model": model, "length": args.length, "requests": args.requests}
-    for backend in ("vllm", "sekv"):
+    for backend in args.backends:
         sekv = {"budget_ratio": args.budget} if backend == "sekv" else None
         spec = {**common, "sekv": sekv, "mode": "single", "single_lengths": args.single_lengths,
                 "max_tokens": args.single_tokens, "single_repeats": args.single_repeats}
-        result["alone"][backend] = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
-        print(f"{backend} alone: {json.dumps(result['alone'][backend])}", flush=True)
+        if not args.no_alone:
+            result["alone"][backend] = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
+            print(f"{backend} alone: {json.dumps(result['alone'][backend])}", flush=True)
         for n_out in args.outputs:
             spec = {**common, "sekv": sekv, "mode": "batch", "single_lengths": [], "max_tokens": n_out}
             run = run_in_subprocess("benchmarks.perf.end_to_end", spec, stock=sekv is None, env=env)
             result["whole_run"].setdefault(str(n_out), {})[backend] = run
             print(f"{backend}, {n_out} output tokens: " + json.dumps({k: v for k, v in run.items() if k != "timeline"}),
                   flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if len(args.backends) < 2 or args.no_alone:
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out} (no ratios: one backend, or none alone)")
+        return 0
     stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
     result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
     result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
@@ -154,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     result["output_throughput_ratio"] = {
         n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
     result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if "ratio" in k}))
     print(f"wrote {args.out}")

@@ -68,8 +68,11 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_id
     # only the newest row from it (the decode is batch-invariant: tests/test_runtime.py). With the
     # window spanified every 128 rows its page ranges are filed again when it resumes. (Preemption
     # without spanification: every row-keeping method, below, goes through the same suspend and resume.)
+    # decode_room_tokens 0: vLLM's own admission, which lets their outputs outgrow the pool (the default keeps
+    # room for them: below).
     growth = 128
-    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "window_growth": growth},
+    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "window_growth": growth,
+                                         "decode_room_tokens": 0},
             "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1110}
     tiny = pages({**spec, "num_blocks": 10}, tmp_path)  # three compressed requests outgrow the pool
     roomy = pages(spec, tmp_path)
@@ -81,6 +84,22 @@ def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, essay_id
     checks = [ok for t in tiny["trace"] for ok in t["rows_in_pages"].values()]
     assert checks and all(checks)
     assert all(f["output_spans"] > 0 for f in tiny["figures"])
+
+
+def test_room_kept_for_decoding_requests_queues_new_ones_instead_of_preempting(model_dir, essay_ids, tmp_path):
+    # 14 pages, vLLM's admission (decode_room_tokens 0) preempts; sekv's gate (the default) lets a request wait
+    # while the running ones' next tokens would not fit beside it: none preempted, none lost, outputs unchanged.
+    spec = {"model": model_dir, "sekv": {"budget_ratio": 0.25, "min_prompt_tokens": 256, "window_growth": 128},
+            "prompts": essay_ids(700, 3), "max_tokens": 400, "max_model_len": 1110, "num_blocks": 14}
+    gated = pages(spec, tmp_path)
+    ungated = pages({**spec, "sekv": {**spec["sekv"], "decode_room_tokens": 0}}, tmp_path)
+    assert ungated["preemptions"] >= 1 and gated["preemptions"] == 0
+    assert gated["outputs"] == ungated["outputs"] and all(len(o) == 400 for o in gated["outputs"])
+    assert "kept for the" in gated["stderr"] and "decode_room_tokens" in gated["stderr"]
+    # it ran fewer requests at once than the ungated engine, and more than one
+    most = [max(t["running_with_output"] for t in r["trace"]) for r in (gated, ungated)]
+    assert 1 < most[0] <= most[1]
+    assert gated["free_at_end"] == gated["free_at_start"] and gated["runtime_requests_left"] == 0
 
 
 def test_aborted_and_finished_requests_free_both_tiers(model_dir, essay_ids, tmp_path):
@@ -130,7 +149,8 @@ def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir,
     n = len(methods) + 1
     chosen = [methods[i % len(methods)] for i in range(n)]
     bits = {"streaming_llm": {"sekv_kv_bits": 4}, "quest": {"sekv_kv_bits": 8}}
-    spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256},
+    spec = {"model": model_dir, "sekv": {"method": methods[0], "budget_ratio": 0.125, "min_prompt_tokens": 256,
+                                         "decode_room_tokens": 0},
             "prompts": essay_ids(700, n), "extra_args": [{"sekv_method": m, **bits.get(m, {})} for m in chosen],
             "max_tokens": 300,
             "max_model_len": 1010, "abort": {"after_step": 3, "indices": [n - 1]}}
@@ -157,3 +177,15 @@ def test_every_method_returns_its_pages_survives_preemption_and_abort(model_dir,
         assert max(held) >= math.ceil(n / bs)
     checks = [ok for t in roomy["trace"] for ok in t["rows_in_pages"].values()]
     assert checks and all(checks)
+
+
+def test_pages_to_come_counts_the_pages_a_request_still_opens():
+    from sekv_vllm.integration.vllm.v0_32.admission import pages_to_come
+
+    # 4K prompt in 32 pages of 128, 512 output tokens to come: 4 more pages, fewer within a shorter room
+    assert pages_to_come(4000, 4512, 32, room_tokens=1024, block_size=128) == 4
+    assert pages_to_come(4000, 4512, 32, room_tokens=96, block_size=128) == 0
+    assert pages_to_come(4000, 4512, 32, room_tokens=97, block_size=128) == 1
+    assert pages_to_come(4512, 4512, 36, room_tokens=1024, block_size=128) == 0  # at its max_tokens
+    # a prompt mid-prefill (2 of its 8 pages allocated) still opens the rest of them
+    assert pages_to_come(1000, 1010, 2, room_tokens=1024, block_size=128) == 6

@@ -12,6 +12,8 @@ engine's additional_config carries `sekv` (or the CLI says `--kv-cache-backend s
 5. `GPUModelRunner.get_kv_cache_spec`: sekv's layers get SeKVAttentionSpec, whose manager
    returns a compressed request's prompt pages to the pool (kv_pages.py).
 6. `Scheduler._preempt_request`: marks the request as preempted while its pages are freed.
+   `Scheduler.schedule`: keeps room in the pool for the running requests' next tokens before a new
+   request is admitted (admission.py).
 7. `GPUModelRunner.sample_tokens` (active whenever the plugin is installed, sekv or not): seeded
    sampling with a chunked prompt on CPU. vLLM rewinds the seeded generator of a request whose
    sample it discards (a partial prefill chunk) by a Philox offset, which torch's CPU generator
@@ -217,6 +219,18 @@ def _install_runner_hook() -> None:
 
         return _preempt_request
 
+    def make_schedule(original):
+        def schedule(self, *args, **kwargs):
+            room = _decode_room(self)
+            if room is None:
+                return original(self, *args, **kwargs)
+            room.before(self)
+            out = original(self, *args, **kwargs)
+            room.after(self)
+            return out
+
+        return schedule
+
     def make_sample_tokens(original):
         def sample_tokens(self, *args, **kwargs):
             state = self.execute_model_state
@@ -254,7 +268,21 @@ def _install_runner_hook() -> None:
     _wrap(GPUModelRunner, "sample_tokens", make_sample_tokens)
     _wrap(GPUModelRunner, "get_kv_cache_spec", make_get_kv_cache_spec)
     _wrap(Scheduler, "_preempt_request", make_preempt_request)
+    _wrap(Scheduler, "schedule", make_schedule)
     _wrap(Scheduler, "update_from_output", make_update_from_output)
+
+
+def _decode_room(scheduler) -> "DecodeRoom | None":
+    """The scheduler's admission gate (made at its first schedule); None unless sekv is on and
+    `decode_room_tokens` > 0."""
+    room = scheduler.__dict__.get("_sekv_decode_room", False)
+    if room is False:
+        from sekv_vllm.integration.vllm.v0_32.admission import DecodeRoom
+
+        config = SeKVConfig.from_additional_config(scheduler.vllm_config.additional_config)
+        room = DecodeRoom(config.decode_room_tokens) if config is not None and config.decode_room_tokens else None
+        scheduler._sekv_decode_room = room
+    return room
 
 
 def bridge_for(runner) -> "RunnerBridge | None":
