@@ -33,14 +33,12 @@ def pages_to_come(num_tokens: int, final_tokens: int, pages_in_table: int, room_
 
 
 class DecodeRoom:
-    """The admission gate of one scheduler: `before` sets the watermark, `after` counts and logs the
-    schedules where the first waiting request fitted the free pages but not beside the room kept."""
+    """The admission gate of one scheduler: `before` sets the watermark, `after` logs when the first waiting
+    request starts to wait because it fitted the free pages but not beside the room kept."""
 
     def __init__(self, room_tokens: int) -> None:
         self.room_tokens = room_tokens
         self.reserve = 0
-        # Schedules that held a request back for the room (a metric, and what the tests read).
-        self.schedules_held = 0
         self._holding = False
 
     def before(self, scheduler: Scheduler) -> None:
@@ -62,10 +60,8 @@ class DecodeRoom:
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         pages = -(-first.num_tokens // scheduler.cache_config.block_size)
         held = pages <= free < pages + self.reserve
-        if held:
-            self.schedules_held += 1
-            if not self._holding:
-                logger.info("sekv: %d requests wait: %d free pages, %d kept for the %d running requests' next "
-                            "%d tokens (decode_room_tokens)", len(scheduler.waiting), free, self.reserve,
-                            len(scheduler.running), self.room_tokens)
+        if held and not self._holding:
+            logger.info("sekv: %d requests wait: %d free pages, %d kept for the %d running requests' next "
+                        "%d tokens (decode_room_tokens)", len(scheduler.waiting), free, self.reserve,
+                        len(scheduler.running), self.room_tokens)
         self._holding = held
