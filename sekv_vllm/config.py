@@ -134,8 +134,9 @@ class SeKVConfig(BaseModel):
     host_pool_bytes: int = Field(4 << 30, ge=0, description="capacity of the host pool holding span bases")
     return_pages: bool = Field(True, description="return a compressed request's prompt pages to vLLM's pool, "
                                "but for the fast tier's share")
-    # 32 x 4K prompts, 512 output tokens, 1 GiB pool (benchmarks.perf.end_to_end): with 0, 25 requests at once
-    # and 4 prompts computed again after preemption (380 s); with 1024, 19 at once and none (349 s).
+    # 32 x 4K prompts, 512 output tokens, 1 GiB pool (benchmarks.perf.end_to_end): with 0, 25 requests at once,
+    # ~4 prompts computed again after preemption, 1.09x stock's output tok/s (end_to_end_e7b287d_cpu.json); with
+    # 1024, 19 at once, none preempted, 1.27x (end_to_end_cpu.json, commit b6c182b).
     decode_room_tokens: int = Field(
         1024, ge=0, description="a new request is admitted only while vLLM's pool keeps room for every running "
         "request to decode this many more tokens (up to its max_tokens): a compressed request's output pages are "
