@@ -40,3 +40,13 @@ def test_a_soft_cap_and_a_scale_are_applied_as_vllms_logits_processor_does(soft_
     capped = logits if soft_cap is None else torch.tanh(logits / soft_cap) * soft_cap
     got = LogitHead(weight, soft_cap, scale).surprisal(hidden, targets)
     assert torch.allclose(got, token_surprisal(capped * scale, targets), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reused_logit_buffer_gives_the_same_surprisal_bit_for_bit(dtype):
+    weight, hidden, targets, _ = projection(seed=2)
+    head = LogitHead(weight.to(dtype))
+    buffer = head.logit_buffer(128)
+    fresh = torch.cat([head.surprisal(hidden[a:a + 128], targets[a:a + 128]) for a in (0, 128)])
+    reused = torch.cat([head.surprisal(hidden[a:a + 128], targets[a:a + 128], buffer) for a in (0, 128)])
+    assert torch.equal(fresh, reused)  # 200 rows: a full chunk, then 72 rows of the same buffer

@@ -316,11 +316,12 @@ class RunnerBridge:
             return
         targets = torch.tensor(prompt[start + 1 : stop + 1], dtype=torch.int64)
         head = self._surprisal_head(hidden)
+        buffer = head.logit_buffer(min(_LOGIT_CHUNK, stop - start)) if head is not None else None
         values = []
         for a in range(0, stop - start, _LOGIT_CHUNK):
             b = min(a + _LOGIT_CHUNK, stop - start)
             rows = hidden[row0 + a : row0 + b]
-            values.append(head.surprisal(rows, targets[a:b]) if head is not None
+            values.append(head.surprisal(rows, targets[a:b], buffer) if head is not None
                           else token_surprisal(self.runner.compute_logits(rows), targets[a:b]))
         self.runtime.record_surprisal(req_id, torch.arange(start + 1, stop + 1), torch.cat(values))
 
