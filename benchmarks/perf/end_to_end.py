@@ -116,6 +116,19 @@ def worker(spec: dict) -> dict:
     return out
 
 
+def add_ratios(result: dict, length: int) -> None:
+    """sekv / stock figures of a run with both backends and the requests alone, into result."""
+    stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
+    result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
+    result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
+    if str(length) in stock_alone:
+        n = str(length)
+        result[f"prefill_time_ratio_{length // 1000}k"] = round(sekv_alone[n]["t2_s"] / stock_alone[n]["t2_s"], 3)
+    result["output_throughput_ratio"] = {
+        n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
+    result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -153,20 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             result["whole_run"].setdefault(str(n_out), {})[backend] = run
             print(f"{backend}, {n_out} output tokens: " + json.dumps({k: v for k, v in run.items() if k != "timeline"}),
                   flush=True)
+    if len(args.backends) == 2 and not args.no_alone:
+        add_ratios(result, args.length)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if len(args.backends) < 2 or args.no_alone:
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out} (no ratios: one backend, or none alone)")
-        return 0
-    stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
-    result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
-    result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
-    if str(args.length) in stock_alone:
-        n = str(args.length)
-        result[f"prefill_time_ratio_{args.length // 1000}k"] = round(sekv_alone[n]["t2_s"] / stock_alone[n]["t2_s"], 3)
-    result["output_throughput_ratio"] = {
-        n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
-    result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if "ratio" in k}))
     print(f"wrote {args.out}")
