@@ -124,6 +124,10 @@ class SeKVConfig(BaseModel):
         "needs router_weights); span_score: the untrained score (the span's attention mass estimated from its key "
         "centroids); auto: the router when router_weights is given or weights are shipped for the model, else "
         "span_score (the choice is logged at start-up)")
+    key_gates: bool = Field(
+        True, description="with the router: its learned gates on each span's key directions (the stored key rows "
+        "rebuilt as U diag(g) U^T X, one eigendecomposition per span, KV head and layer at compression); false: "
+        "the key rows are kept as they are (no eigendecompositions); no effect with span_score")
     decode_kernel: Literal["auto", "cpp", "torch"] = Field(
         "auto", description="decode attention of compressed requests and the eigensolver of compression: cpp (C++ "
         "kernels compiled on first use: csrc/cpu/span_decode.cpp, one call per layer, and csrc/cpu/small_eigh.cpp, "

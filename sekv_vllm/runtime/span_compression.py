@@ -42,7 +42,7 @@ class SpanCompression:
                          ) -> dict[str, LayerSpanMemory]:
         """Every layer's stretch rows (k, v [n, Hkv, D]) under one layout: the same spans in every layer."""
         cfg = self.config
-        gated = self.policy.has_key_gates and not mem.zoom_all  # else no decomposition for gates
+        gated = self.policy.has_key_gates and cfg.key_gates and not mem.zoom_all  # else no decomposition for gates
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
                                      functools.partial(self.policy.key_gates, i) if gated else None,

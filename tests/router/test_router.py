@@ -128,13 +128,13 @@ def test_mismatched_weights_are_refused(tmp_path):
     SeKVRuntime(cfg, ["l0", "l1", "l2"], SHAPE)  # the right shape loads
 
 
-def _compressed(tmp_path, budget_ratio: float):
+def _compressed(tmp_path, budget_ratio: float, key_gates: bool = True):
     r = ZoomRouter(SHAPE, r_max=8)
     with torch.no_grad():
         r.b3.fill_(-20.0)  # gates ~ 0: every gated key rebuilds as ~ 0
     path = save_router(r, tmp_path / "r.safetensors", model_name="tiny", provenance={})
     cfg = SeKVConfig(zoom_policy="router", router_weights=str(path), min_prompt_tokens=10, window=8, max_span=8,
-                     r_max=8, budget_ratio=budget_ratio)
+                     r_max=8, budget_ratio=budget_ratio, key_gates=key_gates)
     names = ["l0", "l1", "l2"]
     rt = SeKVRuntime(cfg, names, SHAPE)
     T = 120
@@ -157,6 +157,16 @@ def test_runtime_uses_router_gates_and_scores(tmp_path):
     assert make_policy("span_score").key_gates(0, torch.ones(layer.keys.num_spans, 2, 8), layer.summary_k) is None
     out = rt.attend("a", "l1", torch.randn(6, 16), 0.25)
     assert out.shape == (6, 16) and torch.isfinite(out).all()
+
+
+def test_without_key_gates_the_router_keeps_the_key_rows_as_they_are(tmp_path):
+    rt, mem, rows = _compressed(tmp_path, 0.3, key_gates=False)
+    assert not mem.zoom_all
+    layer = rt.pool.load("a", "l1")
+    stored, k = layer.bases_k.coef, rows["l1"][0]  # [n, Hkv, D] span rows, [T, Hkv, D]
+    assert layer.bases_k.basis is None and stored.shape[0] > 0
+    # every stored key row is one of the prompt's (the gates ~ 0 would have made them ~ 0)
+    assert (stored[:, None] - k[None]).abs().amax(dim=(-2, -1)).min(dim=1).values.max() < 1e-6
 
 
 def test_a_budget_covering_every_span_attends_exactly_whatever_the_router(tmp_path):
