@@ -45,6 +45,17 @@ def worker_or_model(worker_spec: str | None, worker) -> str | None:
     return str(prepare_default_model())
 
 
+def machine() -> dict:
+    """The CPU a benchmark ran on: timings differ by its cores and the vector instructions torch uses
+    (a float32 model's matrix products run ~4x slower with AVX2 than with AVX-512 and AMX)."""
+    import torch
+
+    from sekv_vllm.core.surprisal import bfloat16_is_fast
+
+    return {"cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bfloat16_dot_products": bfloat16_is_fast(torch.device("cpu"))}
+
+
 def command_line(module: str, argv: list[str] | None) -> str:
     """The command that ran `module` with these arguments, for a results file."""
     return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
+from benchmarks.engine import command_line, machine, make_llm, run_in_subprocess, worker_or_model
 from benchmarks.perf.run import essay_prompts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict = {"command": command_line("benchmarks.perf.end_to_end", argv), "model": Path(model).name,
                     "requests": args.requests, "length": args.length, "budget_ratio": args.budget,
-                    "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "whole_run": {}, "alone": {}}
+                    "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "machine": machine(),
+                    "whole_run": {}, "alone": {}}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
     common = {"model": model, "length": args.length, "requests": args.requests}
     for backend in args.backends:

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.engine import command_line, make_llm, run_in_subprocess, worker_or_model
+from benchmarks.engine import command_line, machine, make_llm, run_in_subprocess, worker_or_model
 from benchmarks.perf.run import essay_prompts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1000, 2000, 4000, 8000])
     parser.add_argument("--repeats", type=int, default=2, help="plain timings per length (median)")
     parser.add_argument("--budget", type=float, default=0.25, help="sekv budget_ratio")
+    parser.add_argument("--sekv-config", type=json.loads, default={},
+                        help='sekv settings besides the budget, as JSON (e.g. \'{"key_gates": false}\')')
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     model = worker_or_model(args.worker, worker)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"model": model, "lengths": args.lengths, "repeats": args.repeats, "budget": args.budget}
     runs = {backend: run_in_subprocess("benchmarks.perf.prefill_phases", {**spec, "sekv": sekv},
                                        stock=backend == "vllm")
-            for backend, sekv in (("vllm", None), ("sekv", {}))}
+            for backend, sekv in (("vllm", None), ("sekv", args.sekv_config))}
     rows = []
     for i, n in enumerate(args.lengths):
         stock, sekv = runs["vllm"]["rows"][i], runs["sekv"]["rows"][i]
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} tokens: stock {stock['prefill_seconds']:.2f} s, sekv {sekv['prefill_seconds']:.2f} s "
               f"({rows[-1]['prefill_time_ratio']:.2f}x)", flush=True)
     result = {"command": command_line("benchmarks.perf.prefill_phases", argv), "model": Path(model).name,
-              "budget_ratio": args.budget, "rows": rows}
+              "budget_ratio": args.budget, "sekv_config": args.sekv_config, "machine": machine(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     from benchmarks.perf.plot import plot_prefill_phases
 

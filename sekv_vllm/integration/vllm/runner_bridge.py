@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sekv_vllm.config import SeKVConfig
-from sekv_vllm.core.surprisal import LogitHead, token_surprisal
+from sekv_vllm.core.surprisal import LogitHead, bfloat16_is_fast, token_surprisal
 from sekv_vllm.integration.vllm import request_failures
 from sekv_vllm.integration.vllm.page_plans import PagePlans
 from sekv_vllm.integration.vllm.version import RunnerView, StepSchedule, kv_pages
@@ -355,13 +355,6 @@ class RunnerBridge:
         if mem.status is Status.COMPRESSED:
             pages = self._page_plans.after_compression(mem, *self._block_size_and_bytes(), self.runtime.config.return_pages)
             self.runtime.record_engine_pages(req_id, pages)
-
-
-def bfloat16_is_fast(device: torch.device) -> bool:
-    """Whether bfloat16 matrix products beat float32's on `device` (CPUs: bfloat16 dot products)."""
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def figures_by_request_id() -> dict[str, dict]:
