@@ -124,10 +124,11 @@ class SeKVConfig(BaseModel):
         "needs router_weights); span_score: the untrained score (the span's attention mass estimated from its key "
         "centroids); auto: the router when router_weights is given or weights are shipped for the model, else "
         "span_score (the choice is logged at start-up)")
-    key_gates: bool = Field(
-        True, description="with the router: its learned gates on each span's key directions (the stored key rows "
-        "rebuilt as U diag(g) U^T X, one eigendecomposition per span, KV head and layer at compression); false: "
-        "the key rows are kept as they are (no eigendecompositions); no effect with span_score")
+    key_gate_strength: float = Field(
+        1.0, ge=0, le=1, description="with the router: how much of its learned gates on each span's key directions "
+        "applies (the stored key rows rebuilt as U diag(g') U^T X, g' = 1 - strength (1 - g); one eigendecomposition "
+        "per span, KV head and layer at compression); 0: the key rows are kept as they are (no eigendecompositions); "
+        "no effect with span_score")
     decode_kernel: Literal["auto", "cpp", "torch"] = Field(
         "auto", description="decode attention of compressed requests and the eigensolver of compression: cpp (C++ "
         "kernels compiled on first use: csrc/cpu/span_decode.cpp, one call per layer, and csrc/cpu/small_eigh.cpp, "
@@ -140,7 +141,7 @@ class SeKVConfig(BaseModel):
                                "but for the fast tier's share")
     # 32 x 4K prompts, 512 output tokens, 1 GiB pool (benchmarks.perf.end_to_end): with 0, 25 requests at once,
     # ~4 prompts computed again after preemption, 1.09x stock's output tok/s (end_to_end_e7b287d_cpu.json); with
-    # 1024, 19 at once, none preempted, 1.27x (end_to_end_cpu.json, commit b6c182b).
+    # 1024, 19 at once, none preempted, 1.27x (end_to_end_b6c182b_cpu.json; on f0b243e 1.21x, end_to_end_cpu.json).
     decode_room_tokens: int = Field(
         1024, ge=0, description="a new request is admitted only while vLLM's pool keeps room for every running "
         "request to decode this many more tokens (up to its max_tokens): a compressed request's output pages are "

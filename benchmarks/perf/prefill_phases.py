@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="plain timings per length (median)")
     parser.add_argument("--budget", type=float, default=0.25, help="sekv budget_ratio")
     parser.add_argument("--sekv-config", type=json.loads, default={},
-                        help='sekv settings besides the budget, as JSON (e.g. \'{"key_gates": false}\')')
+                        help='sekv settings besides the budget, as JSON (e.g. \'{"key_gate_strength": 0}\')')
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     model = worker_or_model(args.worker, worker)

@@ -42,10 +42,12 @@ class SpanCompression:
                          ) -> dict[str, LayerSpanMemory]:
         """Every layer's stretch rows (k, v [n, Hkv, D]) under one layout: the same spans in every layer."""
         cfg = self.config
-        gated = self.policy.has_key_gates and cfg.key_gates and not mem.zoom_all  # else no decomposition for gates
+        # the spans' keys are decomposed only for gates that change them
+        gated = self.policy.has_key_gates and cfg.key_gate_strength > 0 and not mem.zoom_all
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
-                                     functools.partial(self.policy.key_gates, i) if gated else None,
+                                     functools.partial(self.policy.key_gates, i, strength=cfg.key_gate_strength)
+                                     if gated else None,
                                      store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh)
                 for i, (name, (k, v)) in enumerate(rows.items())}
 

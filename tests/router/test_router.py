@@ -128,13 +128,13 @@ def test_mismatched_weights_are_refused(tmp_path):
     SeKVRuntime(cfg, ["l0", "l1", "l2"], SHAPE)  # the right shape loads
 
 
-def _compressed(tmp_path, budget_ratio: float, key_gates: bool = True):
+def _compressed(tmp_path, budget_ratio: float, key_gate_strength: float = 1.0):
     r = ZoomRouter(SHAPE, r_max=8)
     with torch.no_grad():
         r.b3.fill_(-20.0)  # gates ~ 0: every gated key rebuilds as ~ 0
     path = save_router(r, tmp_path / "r.safetensors", model_name="tiny", provenance={})
     cfg = SeKVConfig(zoom_policy="router", router_weights=str(path), min_prompt_tokens=10, window=8, max_span=8,
-                     r_max=8, budget_ratio=budget_ratio, key_gates=key_gates)
+                     r_max=8, budget_ratio=budget_ratio, key_gate_strength=key_gate_strength)
     names = ["l0", "l1", "l2"]
     rt = SeKVRuntime(cfg, names, SHAPE)
     T = 120
@@ -159,14 +159,17 @@ def test_runtime_uses_router_gates_and_scores(tmp_path):
     assert out.shape == (6, 16) and torch.isfinite(out).all()
 
 
-def test_without_key_gates_the_router_keeps_the_key_rows_as_they_are(tmp_path):
-    rt, mem, rows = _compressed(tmp_path, 0.3, key_gates=False)
+@pytest.mark.parametrize("strength", [0.0, 0.5])
+def test_the_key_gate_strength_moves_the_gates_toward_keeping_the_key_rows(tmp_path, strength):
+    """Gates ~ 0 everywhere: a strength s rebuilds every span key row as (1 - s) times itself (0: no gates)."""
+    rt, mem, rows = _compressed(tmp_path, 0.3, key_gate_strength=strength)
     assert not mem.zoom_all
     layer = rt.pool.load("a", "l1")
     stored, k = layer.bases_k.coef, rows["l1"][0]  # [n, Hkv, D] span rows, [T, Hkv, D]
     assert layer.bases_k.basis is None and stored.shape[0] > 0
-    # every stored key row is one of the prompt's (the gates ~ 0 would have made them ~ 0)
-    assert (stored[:, None] - k[None]).abs().amax(dim=(-2, -1)).min(dim=1).values.max() < 1e-6
+    # every stored key row is (1 - s) times one of the prompt's (the full gates would have made them ~ 0)
+    err = (stored[:, None] - (1 - strength) * k[None]).abs().amax(dim=(-2, -1)).min(dim=1).values.max()
+    assert err < 1e-4
 
 
 def test_a_budget_covering_every_span_attends_exactly_whatever_the_router(tmp_path):
