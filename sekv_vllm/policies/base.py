@@ -171,8 +171,6 @@ class ZoomPolicy(ABC):
     # Whether `key_gates` gates anything: compression decomposes the spans' keys only for a policy that does.
     has_key_gates: ClassVar[bool] = False
 
-    def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor,
-                  strength: float = 1.0) -> torch.Tensor | None:
-        """Reconstruction gates [S, Hkv, R] for the keys of `layer`, moved toward 1 (no gate) by 1 - strength,
-        or None to rebuild them exactly."""
+    def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
+        """Reconstruction gates [S, Hkv, R] for the keys of `layer`, or None to rebuild them exactly."""
         return None

@@ -50,7 +50,5 @@ class RouterPolicy(ZoomPolicy):
                           r.threshold_logit(layer).float().contiguous(), self.centroid_scale(scale))
 
     @torch.no_grad()
-    def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor,
-                  strength: float = 1.0) -> torch.Tensor:
-        g = self.router.gates(layer, singular, summary_k)
-        return g if strength == 1 else 1 - strength * (1 - g)
+    def key_gates(self, layer: int, singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor:
+        return self.router.gates(layer, singular, summary_k)

@@ -7,8 +7,8 @@ summaries and scoring keys go to the fast tier and whose rows or factors go to t
 """
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -46,10 +46,18 @@ class SpanCompression:
         gated = self.policy.has_key_gates and cfg.key_gate_strength > 0 and not mem.zoom_all
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
-                                     functools.partial(self.policy.key_gates, i, strength=cfg.key_gate_strength)
-                                     if gated else None,
+                                     self._key_gates(i) if gated else None,
                                      store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh)
                 for i, (name, (k, v)) in enumerate(rows.items())}
+
+    def _key_gates(self, layer: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The policy's key gates of `layer`, moved toward 1 (no gate) by 1 - key_gate_strength."""
+        strength = self.config.key_gate_strength
+
+        def gates(singular: torch.Tensor, summary_k: torch.Tensor) -> torch.Tensor | None:
+            g = self.policy.key_gates(layer, singular, summary_k)
+            return g if g is None or strength == 1 else 1 - strength * (1 - g)
+        return gates
 
     def _key_features(self, mem: RequestMemory, memories: dict[str, LayerSpanMemory]) -> int:
         """The policy's features of every span (`ZoomPolicy.key_features`); returns the bytes they added."""
