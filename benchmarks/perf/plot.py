@@ -100,9 +100,9 @@ def plot_long_output(result: dict, folder: Path) -> Path:
     return _save(fig, None, folder / "long_output.png")
 
 
-def plot_prefill_phases(result: dict, folder: Path) -> Path:
+def plot_prefill_phases(result: dict, folder: Path, file_name: str = "prefill_phases.png") -> Path:
     """One bar per length and backend: its prefill split into phases (the profiled run's shares, scaled to the
-    plain median, the time users see)."""
+    plain median, the time users see), drawn to folder / file_name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +112,8 @@ def plot_prefill_phases(result: dict, folder: Path) -> Path:
 
     names = [REST, *[p for p in result["rows"][0]["sekv"]["phases"] if p != REST]]
     colors = plt.get_cmap("tab20").colors
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * 2 * len(result["rows"])))
+    # tall enough for the legend's phases even with one length
+    fig, ax = plt.subplots(figsize=(11, max(4.2, 1.2 + 0.6 * 2 * len(result["rows"]))))
     labels = []
     for row in result["rows"]:
         for backend in ("vllm", "sekv"):
@@ -126,9 +127,12 @@ def plot_prefill_phases(result: dict, folder: Path) -> Path:
             labels.append(f"{row['length']} {'stock' if backend == 'vllm' else 'sekv'}")
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
-    ax.set_xlabel("prefill seconds (one request alone, to its first token)")
+    beside = (f"beside {result['running']} requests decoding" if result.get("running")
+              else "one request alone")
+    ax.set_xlabel(f"prefill seconds ({beside}, to its second token)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, f"{result['model']}: {result['command'].strip()}", folder / "prefill_phases.png")
+    command = result["command"].strip().replace(" --out ", "\n--out ")  # a long command on two lines
+    return _save(fig, f"{result['model']}: {command}", folder / file_name)
 
 
 def plot_end_to_end(result: dict, folder: Path) -> Path:

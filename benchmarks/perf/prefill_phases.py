@@ -2,6 +2,7 @@
 
     python -m benchmarks.perf.prefill_phases                        # 1K-8K, budget 0.25
     python -m benchmarks.perf.prefill_phases --lengths 4000 --repeats 3
+    python -m benchmarks.perf.prefill_phases --lengths 4000 --repeats 3 --running 8 --out benchmarks/results/prefill_phases_loaded_cpu.json
 
 For each backend (stock vLLM with plugins off, sekv) one engine in its own process. Per prompt length
 (distinct essay passages of exactly N tokens, one request alone, two output tokens: sekv compresses a prompt
@@ -14,12 +15,18 @@ codes, the eigendecompositions the router's key gates need, bases (factors or ro
 rows kept at full resolution, their placement into the engine's pages and the page plan that returns
 the rest; what is left is the model's forward and vLLM's own work. Shares are of the profiled run
 (the profiler slows Python-heavy phases more than torch's). Results:
-benchmarks/results/prefill_phases_cpu.json and prefill_phases.png.
+benchmarks/results/prefill_phases_cpu.json and prefill_phases.png (the plot beside the JSON, named after it).
+
+`--running N`: the same prefills in a loaded engine, as a batch job or a server sees them: N requests of the
+longest length are decoding (sekv: compressed) before each measured prompt comes, and the engine is stepped
+until that prompt has its two tokens, the others' decode tokens riding in the same steps. Also timed there:
+a decode-only step with the N requests (median of 10), `decode_step_seconds`.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -78,21 +85,41 @@ def split_phases(stats: dict, total: float) -> dict[str, float]:
     return phases
 
 
+# output tokens of a request decoding beside the measured prefills (--running): enough to outlast them
+RUNNING_TOKENS = 600
+
+
 def worker(spec: dict) -> dict:
     from vllm import SamplingParams
 
     sekv = spec["sekv"]
-    lengths, repeats = spec["lengths"], spec["repeats"]
-    llm = make_llm(spec["model"], sekv, max(lengths) + 64)
-    prompts = essay_prompts(llm.get_tokenizer(), max(lengths), len(lengths) * (repeats + 1) + 1)
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
-                            extra_args={"sekv_budget_ratio": spec["budget"]} if sekv is not None else None)
+    lengths, repeats, running = spec["lengths"], spec["repeats"], spec.get("running", 0)
+    llm = make_llm(spec["model"], sekv, max(lengths) + (RUNNING_TOKENS + 64 if running else 64))
+    prompts = essay_prompts(llm.get_tokenizer(), max(lengths), len(lengths) * (repeats + 1) + 1 + running)
+    extra = {"sekv_budget_ratio": spec["budget"]} if sekv is not None else None
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args=extra)
+    engine = llm.llm_engine
+    measured = itertools.count()
 
     def prefill(ids: list[int]) -> float:
         t0 = time.perf_counter()
-        llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        if not running:
+            llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+            return time.perf_counter() - t0
+        # llm.generate would wait for the running requests too: step until this one is done
+        req_id = f"measured-{next(measured)}"
+        engine.add_request(req_id, {"prompt_token_ids": ids}, params)
+        while not any(out.request_id == req_id and out.finished for out in engine.step()):
+            pass
         return time.perf_counter() - t0
 
+    if running:
+        long = SamplingParams(temperature=0.0, max_tokens=RUNNING_TOKENS, ignore_eos=True, extra_args=extra)
+        for i in range(running):
+            engine.add_request(f"running-{i}", {"prompt_token_ids": prompts[-2 - i]}, long)
+        scheduler = engine.engine_core.engine_core.scheduler
+        while scheduler.waiting or any(r.num_output_tokens < 2 for r in scheduler.running):
+            engine.step()
     prefill(prompts[-1][:lengths[0]])  # warm-up: first-use compilation, allocations
     rows, used = [], 0
     for n in lengths:
@@ -108,7 +135,17 @@ def worker(spec: dict) -> dict:
             raise RuntimeError(f"{n} tokens: the profiled prefill compressed {compressions} prompts, not 1")
         rows.append({"length": n, "prefill_seconds": statistics.median(plain), "runs": plain,
                      "profiled_seconds": profiled, "phases": split_phases(stats, profiled)})
-    return {"rows": rows}
+    if not running:
+        return {"rows": rows}
+    steps = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    if len(engine.engine_core.engine_core.scheduler.running) != running:
+        raise RuntimeError(f"the decode steps ran {len(engine.engine_core.engine_core.scheduler.running)} requests, "
+                           f"not {running}: raise {RUNNING_TOKENS=} or lower --repeats")
+    return {"rows": rows, "decode_step_seconds": statistics.median(steps), "decode_step_runs": steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.25, help="sekv budget_ratio")
     parser.add_argument("--sekv-config", type=json.loads, default={},
                         help='sekv settings besides the budget, as JSON (e.g. \'{"key_gate_strength": 0}\')')
+    parser.add_argument("--running", type=int, default=0,
+                        help="requests of the longest length decoding beside each measured prefill (0: alone)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
+    if args.running < 0:
+        parser.error(f"--running: at least 0 (got {args.running})")
     model = worker_or_model(args.worker, worker)
     if model is None:
         return 0
-    spec = {"model": model, "lengths": args.lengths, "repeats": args.repeats, "budget": args.budget}
+    spec = {"model": model, "lengths": args.lengths, "repeats": args.repeats, "budget": args.budget,
+            "running": args.running}
     runs = {backend: run_in_subprocess("benchmarks.perf.prefill_phases", {**spec, "sekv": sekv},
                                        stock=backend == "vllm")
             for backend, sekv in (("vllm", None), ("sekv", args.sekv_config))}
@@ -136,11 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} tokens: stock {stock['prefill_seconds']:.2f} s, sekv {sekv['prefill_seconds']:.2f} s "
               f"({rows[-1]['prefill_time_ratio']:.2f}x)", flush=True)
     result = {"command": command_line("benchmarks.perf.prefill_phases", argv), "model": Path(model).name,
-              "budget_ratio": args.budget, "sekv_config": args.sekv_config, "machine": machine(), "rows": rows}
+              "budget_ratio": args.budget, "sekv_config": args.sekv_config, "machine": machine(),
+              "running": args.running, "rows": rows}
+    if args.running:
+        result["decode_step_seconds"] = {b: runs[b]["decode_step_seconds"] for b in runs}
+        result["decode_step_runs"] = {b: runs[b]["decode_step_runs"] for b in runs}
+        result["decode_step_ratio"] = runs["sekv"]["decode_step_seconds"] / runs["vllm"]["decode_step_seconds"]
     args.out.write_text(json.dumps(result, indent=1))
     from benchmarks.perf.plot import plot_prefill_phases
 
-    print(f"wrote {args.out} and {plot_prefill_phases(result, args.out.parent)}")
+    png = args.out.stem.removesuffix("_cpu") + ".png"
+    print(f"wrote {args.out} and {plot_prefill_phases(result, args.out.parent, png)}")
     return 0
 
 

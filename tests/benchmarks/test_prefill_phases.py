@@ -52,3 +52,11 @@ def test_cumulative_reads_a_real_profile():
     stats = pstats.Stats(profiler).stats
     seconds, calls = cumulative(stats, ("test_prefill_phases.py", "inner"))
     assert calls == 5 and 0 < seconds <= cumulative(stats, ("test_prefill_phases.py", "outer"))[0]
+
+
+def test_a_negative_running_count_is_refused_by_name(capsys):
+    from benchmarks.perf.prefill_phases import main
+
+    with pytest.raises(SystemExit):
+        main(["--running", "-1"])
+    assert "--running: at least 0 (got -1)" in capsys.readouterr().err
