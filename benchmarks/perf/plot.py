@@ -100,9 +100,10 @@ def plot_long_output(result: dict, folder: Path) -> Path:
     return _save(fig, None, folder / "long_output.png")
 
 
-def plot_prefill_phases(result: dict, folder: Path, file_name: str = "prefill_phases.png") -> Path:
+def plot_prefill_phases(result: dict, source: Path) -> Path:
     """One bar per length and backend: its prefill split into phases (the profiled run's shares, scaled to the
-    plain median, the time users see), drawn to folder / file_name."""
+    plain median, the time users see), drawn beside the results file `source` and named after it
+    (prefill_phases_cpu.json -> prefill_phases.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +133,7 @@ def plot_prefill_phases(result: dict, folder: Path, file_name: str = "prefill_ph
     ax.set_xlabel(f"prefill seconds ({beside}, to its second token)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     command = result["command"].strip().replace(" --out ", "\n--out ")  # a long command on two lines
-    return _save(fig, f"{result['model']}: {command}", folder / file_name)
+    return _save(fig, f"{result['model']}: {command}", source.with_name(source.stem.removesuffix("_cpu") + ".png"))
 
 
 def plot_end_to_end(result: dict, folder: Path) -> Path:
@@ -174,7 +175,7 @@ def main() -> None:
     if args.long_output.exists():
         paths.append(plot_long_output(json.loads(args.long_output.read_text()), args.long_output.parent))
     if args.prefill_phases.exists():
-        paths.append(plot_prefill_phases(json.loads(args.prefill_phases.read_text()), args.prefill_phases.parent))
+        paths.append(plot_prefill_phases(json.loads(args.prefill_phases.read_text()), args.prefill_phases))
     if args.end_to_end.exists():
         paths.append(plot_end_to_end(json.loads(args.end_to_end.read_text()), args.end_to_end.parent))
     for path in paths:

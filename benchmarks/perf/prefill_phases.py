@@ -99,6 +99,7 @@ def worker(spec: dict) -> dict:
     extra = {"sekv_budget_ratio": spec["budget"]} if sekv is not None else None
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args=extra)
     engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
     measured = itertools.count()
 
     def prefill(ids: list[int]) -> float:
@@ -117,7 +118,6 @@ def worker(spec: dict) -> dict:
         long = SamplingParams(temperature=0.0, max_tokens=RUNNING_TOKENS, ignore_eos=True, extra_args=extra)
         for i in range(running):
             engine.add_request(f"running-{i}", {"prompt_token_ids": prompts[-2 - i]}, long)
-        scheduler = engine.engine_core.engine_core.scheduler
         while scheduler.waiting or any(r.num_output_tokens < 2 for r in scheduler.running):
             engine.step()
     prefill(prompts[-1][:lengths[0]])  # warm-up: first-use compilation, allocations
@@ -142,8 +142,8 @@ def worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t0)
-    if len(engine.engine_core.engine_core.scheduler.running) != running:
-        raise RuntimeError(f"the decode steps ran {len(engine.engine_core.engine_core.scheduler.running)} requests, "
+    if len(scheduler.running) != running:
+        raise RuntimeError(f"the decode steps ran {len(scheduler.running)} requests, "
                            f"not {running}: raise {RUNNING_TOKENS=} or lower --repeats")
     return {"rows": rows, "decode_step_seconds": statistics.median(steps), "decode_step_runs": steps}
 
@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     from benchmarks.perf.plot import plot_prefill_phases
 
-    png = args.out.stem.removesuffix("_cpu") + ".png"
-    print(f"wrote {args.out} and {plot_prefill_phases(result, args.out.parent, png)}")
+    print(f"wrote {args.out} and {plot_prefill_phases(result, args.out)}")
     return 0
 
 
