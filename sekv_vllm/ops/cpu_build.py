@@ -23,10 +23,11 @@ def build_cpu_extension(name: str, source: str, what: str) -> ModuleType:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from this installation")
         logger.info("sekv: loading %s (compiled on first use)", what)
-        # -fno-trapping-math lets the branch-free exp/log loops vectorise (nothing reads FP exceptions);
-        # no -ffast-math: results stay those of the written operation order.
+        # -fno-trapping-math lets the branch-free exp/log loops vectorise (nothing reads FP exceptions), and
+        # -fno-math-errno the square roots (nothing reads errno); no -ffast-math: results stay those of the
+        # written operation order.
         return load(name=name, sources=[str(path)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # a compiler, header or linker failure: all mean "not here"
         raise KernelBuildError(f"{type(err).__name__}: {err}") from err
