@@ -20,6 +20,7 @@ def test_defaults_validate():
         ({"zoom_policy": "magic"}, "sekv.zoom_policy: Input should be 'auto', 'router' or 'span_score'"),
         ({"score_bits": 3}, "sekv.score_bits: Input should be 2, 4, 8 or 16"),
         ({"surprisal_precision": "fp8"}, "sekv.surprisal_precision: Input should be 'auto', 'bfloat16' or 'model'"),
+        ({"surprisal_exact_tokens": -8}, "sekv.surprisal_exact_tokens: Input should be greater than or equal to 0"),
         ({"whole_span_min_share": 1.5}, "sekv.whole_span_min_share: Input should be less than or equal to 1"),
         ({"decode_room_tokens": -1}, "sekv.decode_room_tokens: Input should be greater than or equal to 0"),
     ],

@@ -2,6 +2,7 @@
 
     python -m benchmarks.perf.end_to_end                  # 32 x 4K prompts, 128 and 512 output tokens; 1K/4K/8K alone
     python -m benchmarks.perf.end_to_end --requests 8 --outputs 64 --single-lengths 1000
+    python -m benchmarks.perf.end_to_end --variant 'sampled={"surprisal_exact_tokens": 8192}'   # + sekv so set
 
 Whole run: `--requests` distinct essay prompts of `--length` tokens are submitted at once
 (ignore_eos: every request produces exactly its output length) to a fresh engine in its own
@@ -17,8 +18,9 @@ compression and one decode step (stock's: the forward and one decode step), the 
 
 Results: benchmarks/results/end_to_end_cpu.json with, from this one run, `output_throughput_ratio`
 (per output length), `ttft_ratio_single` (per prompt length) and `prefill_time_ratio_4k` (the
-second token of a 4K prompt alone: its prefill, compression included), all sekv / stock; `python -m benchmarks.perf.plot` draws
-end_to_end.png.
+second token of a 4K prompt alone: its prefill, compression included), all sekv / stock; `--variant NAME=JSON`
+runs sekv once more with those settings over its defaults, in the same run, its ratios to stock under
+`variants.NAME`. `python -m benchmarks.perf.plot` draws end_to_end.png.
 """
 from __future__ import annotations
 
@@ -116,17 +118,32 @@ def worker(spec: dict) -> dict:
     return out
 
 
-def add_ratios(result: dict, length: int) -> None:
-    """sekv / stock figures of a run with both backends and the requests alone, into result."""
-    stock_alone, sekv_alone = result["alone"]["vllm"]["single"], result["alone"]["sekv"]["single"]
-    result["ttft_ratio_single"] = {n: round(sekv_alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
-    result["tpot_ratio_single"] = {n: round(sekv_alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
-    if str(length) in stock_alone:
-        n = str(length)
-        result[f"prefill_time_ratio_{length // 1000}k"] = round(sekv_alone[n]["t2_s"] / stock_alone[n]["t2_s"], 3)
-    result["output_throughput_ratio"] = {
-        n: round(r["sekv"]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in result["whole_run"].items()}
-    result["wall_time_ratio"] = {n: round(r["sekv"]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in result["whole_run"].items()}
+def ratios(result: dict, length: int, backend: str = "sekv") -> dict:
+    """`backend` / stock figures of a run with both: the whole runs', and the requests alone's where they ran."""
+    out = {}
+    if backend in result["alone"] and "vllm" in result["alone"]:
+        stock_alone, alone = result["alone"]["vllm"]["single"], result["alone"][backend]["single"]
+        out["ttft_ratio_single"] = {n: round(alone[n]["ttft_s"] / stock_alone[n]["ttft_s"], 3) for n in stock_alone}
+        out["tpot_ratio_single"] = {n: round(alone[n]["tpot_s"] / stock_alone[n]["tpot_s"], 3) for n in stock_alone}
+        if str(length) in stock_alone:
+            n = str(length)
+            out[f"prefill_time_ratio_{length // 1000}k"] = round(alone[n]["t2_s"] / stock_alone[n]["t2_s"], 3)
+    runs = {n: r for n, r in result["whole_run"].items() if backend in r and "vllm" in r}
+    out["output_throughput_ratio"] = {
+        n: round(r[backend]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"], 3) for n, r in runs.items()}
+    out["wall_time_ratio"] = {n: round(r[backend]["wall_s"] / r["vllm"]["wall_s"], 3) for n, r in runs.items()}
+    return out
+
+
+def variant(text: str) -> tuple[str, dict]:
+    """--variant NAME=JSON -> (NAME, settings)."""
+    name, sep, settings = text.partition("=")
+    if not sep or not name or name in ("vllm", "sekv"):
+        raise argparse.ArgumentTypeError(f"--variant: NAME=JSON with a NAME other than vllm and sekv, got {text!r}")
+    try:
+        return name, json.loads(settings)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--variant {name}: settings are not JSON ({err})") from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) for both")
     parser.add_argument("--backends", nargs="+", choices=["vllm", "sekv"], default=["vllm", "sekv"],
                         help="both for the ratios; one alone for a quick look (no ratios then)")
+    parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=JSON",
+                        help="also sekv with these settings over the defaults, e.g. "
+                        "'sampled={\"surprisal_exact_tokens\": 8192}': its figures and ratios to stock under variants.NAME")
     parser.add_argument("--no-alone", action="store_true", help="skip the requests alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end_cpu.json")
     args = parser.parse_args(argv)
@@ -154,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                     "whole_run": {}, "alone": {}}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
     common = {"model": model, "length": args.length, "requests": args.requests}
-    for backend in args.backends:
-        sekv = {"budget_ratio": args.budget} if backend == "sekv" else None
+    backends = {b: {"budget_ratio": args.budget} if b == "sekv" else None for b in args.backends}
+    backends.update({name: {"budget_ratio": args.budget, **settings} for name, settings in args.variant})
+    for backend, sekv in backends.items():
         spec = {**common, "sekv": sekv, "mode": "single", "single_lengths": args.single_lengths,
                 "max_tokens": args.single_tokens, "single_repeats": args.single_repeats}
         if not args.no_alone:
@@ -167,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             result["whole_run"].setdefault(str(n_out), {})[backend] = run
             print(f"{backend}, {n_out} output tokens: " + json.dumps({k: v for k, v in run.items() if k != "timeline"}),
                   flush=True)
-    if len(args.backends) == 2 and not args.no_alone:
-        add_ratios(result, args.length)
+    if "vllm" in backends:
+        if "sekv" in backends:
+            result.update(ratios(result, args.length))
+        if args.variant:
+            result["variants"] = {name: {"sekv_config": backends[name], **ratios(result, args.length, name)}
+                                  for name, _ in args.variant}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if "ratio" in k}))

@@ -138,16 +138,19 @@ def plot_prefill_phases(result: dict, source: Path) -> Path:
 
 def plot_end_to_end(result: dict, folder: Path) -> Path:
     """Requests running with output over each whole run (one panel per output length), and the
-    figures users feel beside them: output tok/s, TTFT and TPOT p50, stock and sekv."""
+    figures users feel beside them: output tok/s, TTFT and TPOT p50, stock and sekv (and sekv's variants)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = result["whole_run"]
+    backends = [("vllm", "stock vLLM"), ("sekv", f"sekv (budget {result['budget_ratio']})")]
+    backends += [(name, f"sekv {json.dumps({k: v for k, v in v['sekv_config'].items() if k != 'budget_ratio'})}")
+                 for name, v in result.get("variants", {}).items()]
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.8), squeeze=False)
     for ax, (n_out, by_backend) in zip(axes[0], runs.items()):
-        for backend, label in (("vllm", "stock vLLM"), ("sekv", f"sekv (budget {result['budget_ratio']})")):
+        for backend, label in backends:
             r = by_backend[backend]
             t, running = zip(*r["timeline"])
             ax.step(t, running, where="post", label=f"{label}: {r['wall_s']:.0f} s, {r['output_tok_per_s']:.1f} out tok/s, "

@@ -74,12 +74,14 @@ def test_a_prompt_is_compressed_after_its_first_token(model_dir, stock_run, tmp_
     requests, stock = stock_run
     long = requests[1:]  # the first prompt is short: full KV
     chosen = [{**r, "max_tokens": 1} for r in long] + [{**r, "max_tokens": 3} for r in long]
-    run = run_job({"model": model_dir, "additional_config": {"sekv": {"budget_ratio": 0.0625, "min_prompt_tokens": 256}},
-                   "requests": chosen}, tmp_path)
+    # (with the surprisal's tail sampled: the setting's path through the engine)
+    config = {"budget_ratio": 0.0625, "min_prompt_tokens": 256, "surprisal_exact_tokens": 8192}
+    run = run_job({"model": model_dir, "additional_config": {"sekv": config}, "requests": chosen}, tmp_path)
     for i, out in enumerate(run["outputs"]):
         assert out["token_ids"][0] == stock["outputs"][1 + i % len(long)]["token_ids"][0], f"request {i}"
     assert run["figures"][: len(long)] == [None] * len(long)
     assert all(f is not None and f["spans"] > 0 and f["decode_steps"] > 0 for f in run["figures"][len(long) :])
+    assert run["surprisal"]["source"].endswith(", tail sampled")
 
 
 def test_full_host_pool_degrades_to_full_kv_and_says_so(model_dir, stock_run, tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -327,27 +327,38 @@ class RunnerBridge:
 
     @property
     def surprisal_source(self) -> str | None:
-        """Where the prompt-token surprisal comes from: "bfloat16" (a copy of the output projection), "model"
-        (its own logits), None before the first prompt."""
+        """Where the prompt-token surprisal comes from: "model" (its own logits), else the dtype of the output
+        projection's copy ("bfloat16", "float32"), followed by ", tail sampled" under `surprisal_exact_tokens`;
+        None before the first prompt."""
         if not self._logit_head_chosen:
             return None
-        return "bfloat16" if self._logit_head is not None else "model"
+        head = self._logit_head
+        if head is None:
+            return "model"
+        return str(head.weight.dtype).removeprefix("torch.") + (", tail sampled" if head.sampled else "")
 
     def _surprisal_head(self, hidden: torch.Tensor) -> LogitHead | None:
-        """`surprisal_precision`'s projection: a bfloat16 copy of the model's, or None (its own logits)."""
+        """`surprisal_precision`'s projection (a bfloat16 copy of the model's) with `surprisal_exact_tokens`'
+        sampled tail, or None (the model's own logits)."""
         if not self._logit_head_chosen:
             self._logit_head_chosen = True
-            precision = self.runtime.config.surprisal_precision
+            cfg = self.runtime.config
+            precision = cfg.surprisal_precision
             if precision == "auto":
                 precision = "bfloat16" if bfloat16_is_fast(hidden.device) else "model"
-            if precision == "bfloat16" and hidden.dtype != torch.bfloat16:
-                self._logit_head = self.runner.logit_head(torch.bfloat16)
+            dtype = torch.bfloat16 if precision == "bfloat16" else hidden.dtype
+            if (dtype != hidden.dtype) or cfg.surprisal_exact_tokens:
+                self._logit_head = self.runner.logit_head(dtype)
                 if self._logit_head is None:
-                    logger.warning("sekv: surprisal_precision %r: the model's output projection is not a plain "
-                                   "matrix; the surprisal comes from its own logits",
-                                   self.runtime.config.surprisal_precision)
-            logger.info("sekv: prompt-token surprisal from %s", "a bfloat16 copy of the output projection"
-                        if self._logit_head is not None else "the model's own logits")
+                    logger.warning("sekv: surprisal_precision %r, surprisal_exact_tokens %d: the model's output "
+                                   "projection is not a plain matrix; the surprisal comes from its own logits",
+                                   cfg.surprisal_precision, cfg.surprisal_exact_tokens)
+                elif cfg.surprisal_exact_tokens:
+                    self._logit_head = replace(self._logit_head, exact_tokens=cfg.surprisal_exact_tokens)
+            logger.info("sekv: prompt-token surprisal from %s%s", "the model's own logits" if self._logit_head is None
+                        else f"a {str(dtype).removeprefix('torch.')} copy of the output projection",
+                        f", the log-sum-exp's tail sampled past token id {cfg.surprisal_exact_tokens}"
+                        if self._logit_head is not None and self._logit_head.sampled else "")
         return self._logit_head
 
     def _compress(self, req_id: str) -> None:
