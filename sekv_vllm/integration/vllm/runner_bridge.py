@@ -347,7 +347,7 @@ class RunnerBridge:
             if precision == "auto":
                 precision = "bfloat16" if bfloat16_is_fast(hidden.device) else "model"
             dtype = torch.bfloat16 if precision == "bfloat16" else hidden.dtype
-            if (dtype != hidden.dtype) or cfg.surprisal_exact_tokens:
+            if dtype != hidden.dtype or cfg.surprisal_exact_tokens:
                 self._logit_head = self.runner.logit_head(dtype)
                 if self._logit_head is None:
                     logger.warning("sekv: surprisal_precision %r, surprisal_exact_tokens %d: the model's output "
