@@ -3,6 +3,7 @@
     python -m benchmarks.perf.end_to_end                  # 32 x 4K prompts, 128 and 512 output tokens; 1K/4K/8K alone
     python -m benchmarks.perf.end_to_end --requests 8 --outputs 64 --single-lengths 1000
     python -m benchmarks.perf.end_to_end --variant 'sampled={"surprisal_exact_tokens": 8192}'   # + sekv so set
+    python -m benchmarks.perf.end_to_end --outputs 512 --no-alone --max-num-batched-tokens 512   # smaller prefill chunks
 
 Whole run: `--requests` distinct essay prompts of `--length` tokens are submitted at once
 (ignore_eos: every request produces exactly its output length) to a fresh engine in its own
@@ -92,7 +93,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int, tag: str) -> di
 
 def worker(spec: dict) -> dict:
     longest = max([spec["length"], *spec["single_lengths"]])
-    llm = make_llm(spec["model"], spec["sekv"], longest + spec["max_tokens"] + 64)
+    llm = make_llm(spec["model"], spec["sekv"], longest + spec["max_tokens"] + 64, spec.get("max_num_batched_tokens"))
     tok = llm.get_tokenizer()
     out = {"pool_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
     # first-call costs (allocations; sekv: loading its C++ kernel and router), not measured
@@ -135,6 +136,13 @@ def ratios(result: dict, length: int, backend: str = "sekv") -> dict:
     return out
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def variant(text: str) -> tuple[str, dict]:
     """--variant NAME=JSON -> (NAME, settings)."""
     name, sep, settings = text.partition("=")
@@ -162,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=JSON",
                         help="also sekv with these settings over the defaults, e.g. "
                         "'sampled={\"surprisal_exact_tokens\": 8192}': its figures and ratios to stock under variants.NAME")
+    parser.add_argument("--max-num-batched-tokens", type=positive, default=None,
+                        help="vLLM's tokens per step (its prefill chunk) for every backend; default vLLM's (4096 for an "
+                        "offline engine on CPU: a 4K prompt in one step, the requests decoding beside it get one token)")
     parser.add_argument("--no-alone", action="store_true", help="skip the requests alone")
     parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end_cpu.json")
     args = parser.parse_args(argv)
@@ -170,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict = {"command": command_line("benchmarks.perf.end_to_end", argv), "model": Path(model).name,
                     "requests": args.requests, "length": args.length, "budget_ratio": args.budget,
-                    "kv_cache_space_gib": args.kv_space_gib, "cores": os.cpu_count(), "machine": machine(),
+                    "kv_cache_space_gib": args.kv_space_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "cores": os.cpu_count(), "machine": machine(),
                     "whole_run": {}, "alone": {}}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib)}
-    common = {"model": model, "length": args.length, "requests": args.requests}
+    common = {"model": model, "length": args.length, "requests": args.requests,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
     backends = {b: {"budget_ratio": args.budget} if b == "sekv" else None for b in args.backends}
     backends.update({name: {"budget_ratio": args.budget, **settings} for name, settings in args.variant})
     for backend, sekv in backends.items():

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from benchmarks.perf.end_to_end import percentile, ratios, variant
+from benchmarks.perf.end_to_end import main, percentile, ratios, variant
 from benchmarks.perf.plot import plot_end_to_end
 
 
@@ -48,3 +48,9 @@ def test_a_variant_is_a_name_and_json_settings():
                          ("x={surprisal}", "not JSON")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             variant(bad)
+
+
+def test_a_step_of_no_tokens_is_refused_naming_the_argument(capsys):
+    with pytest.raises(SystemExit):
+        main(["--max-num-batched-tokens", "0"])
+    assert "--max-num-batched-tokens: must be at least 1, got 0" in capsys.readouterr().err
