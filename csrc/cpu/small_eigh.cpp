@@ -37,8 +37,11 @@ inline uint32_t lane_mask(bool on) { return 0u - static_cast<uint32_t>(on); }
 
 struct Group {
   int n;
-  std::vector<float> a, zt, v, d, e;  // a, zt, v: [n][n][W]; d, e: [n][W]
-  explicit Group(int n_) : n(n_), a(n_ * n_ * W), zt(n_ * n_ * W), v(n_ * n_ * W), d(n_ * W), e(n_ * W) {}
+  // a, zt, v, q: [n][n][W]; d, e, tau, p, dot: [n][W]; q, tau, p, dot: tridiagonalize's scratch, kept across groups
+  std::vector<float> a, zt, v, q, d, e, tau, p, dot;
+  explicit Group(int n_)
+      : n(n_), a(n_ * n_ * W), zt(n_ * n_ * W), v(n_ * n_ * W), q(n_ * n_ * W), d(n_ * W), e(n_ * W),
+        tau(n_ * W), p(n_ * W), dot(n_ * W) {}
   float* A(int i, int j) { return a.data() + (static_cast<int64_t>(i) * n + j) * W; }
   float* ZT(int i, int j) { return zt.data() + (static_cast<int64_t>(i) * n + j) * W; }
   float* V(int k, int i) { return v.data() + (static_cast<int64_t>(k) * n + i) * W; }
@@ -48,7 +51,9 @@ struct Group {
 // a = Q T Q^T. Reflection k maps row k's entries past the diagonal onto their first one; a zero row gets none.
 void tridiagonalize(Group& g) {
   const int n = g.n;
-  std::vector<float> tau(static_cast<size_t>(n) * W, 0.f), p(static_cast<size_t>(n) * W);
+  std::vector<float>& tau = g.tau;
+  std::vector<float>& p = g.p;
+  std::fill(tau.begin(), tau.end(), 0.f);
   for (int k = 0; k + 2 < n; ++k) {
     float alpha[W], t[W], half[W], norm2[W] = {};
     for (int i = k + 1; i < n; ++i)
@@ -92,12 +97,12 @@ void tridiagonalize(Group& g) {
   }
   // Q = H_0 ... H_{n-3}, accumulated backwards (each product is the identity outside its trailing block),
   // held as zt = Q^T so that a QL rotation of Q's columns i, i + 1 touches two contiguous rows.
-  std::vector<float> q(static_cast<size_t>(n) * n * W);
+  std::vector<float>& q = g.q;
   auto Q = [&](int i, int j) { return q.data() + (static_cast<int64_t>(i) * n + j) * W; };
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j)
       for (int l = 0; l < W; ++l) Q(i, j)[l] = i == j ? 1.f : 0.f;
-  std::vector<float> dot(static_cast<size_t>(n) * W);
+  std::vector<float>& dot = g.dot;
   for (int k = n - 3; k >= 0; --k) {  // the block's columns: Q[:, j] -= tau v (v . Q[:, j]), row by row
     std::fill(dot.begin(), dot.end(), 0.f);
     for (int i = k + 1; i < n; ++i)
