@@ -33,6 +33,8 @@ BATCH = 16
 # A task whose full-KV accuracy stays below this at every length is beyond the model, so it
 # says nothing about compression: it is kept out of the averages (and named in the summary).
 INFORMATIVE_FLOOR = 0.2
+# The least share of full KV's accuracy a method should keep in every (family, length) cell the model can do.
+CELL_TARGET = 0.85
 
 
 def load_records(path: Path) -> list[dict]:
@@ -147,7 +149,8 @@ def averages(rows: list[dict]) -> dict:
 def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
     """The method's figures the targets are read from: its first SeKV backend (the grid's default method), the
     families averaged, and per budget its fast tier (share of full KV's bytes, everything counted), its average
-    accuracy over full KV's and its lowest ratio to full KV in any one (family, length) cell."""
+    accuracy over full KV's, its lowest ratio to full KV in any one (family, length) cell the model can do (full
+    KV at least the informative floor there) and those cells below CELL_TARGET of full KV's."""
     method = next((b for b in backends if b.startswith("sekv")), None)
     if method is None:
         return {}
@@ -155,10 +158,13 @@ def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
     mine = [r for r in rows if r["backend"] == method and r["task"] not in avg["excluded_tasks"]]
     budgets = sorted({r["budget"] for r in mine})
 
+    def cells(budget: float) -> list[dict]:
+        return [{"task": r["task"], "length": r["length"], "accuracy": r["accuracy"],
+                 "full_kv": full[(r["task"], r["length"])], "ratio": r["accuracy"] / full[(r["task"], r["length"])]}
+                for r in mine if r["budget"] == budget and full.get((r["task"], r["length"]), 0) >= INFORMATIVE_FLOOR]
+
     def worst(budget: float) -> float | None:
-        ratios = [r["accuracy"] / full[(r["task"], r["length"])] for r in mine
-                  if r["budget"] == budget and full.get((r["task"], r["length"]), 0) > 0]
-        return min(ratios) if ratios else None
+        return min((c["ratio"] for c in cells(budget)), default=None)
 
     fractions = {b: [r["fast_tier_fraction"] for r in mine if r["budget"] == b and r["fast_tier_fraction"] is not None]
                  for b in budgets}
@@ -168,6 +174,7 @@ def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
         "fast_tier_fraction": {str(b): statistics.mean(f) if f else None for b, f in fractions.items()},
         "ratio_to_full": {str(a["budget"]): a["relative_to_full_kv"] for a in avg["rows"] if a["backend"] == method},
         "lowest_cell_ratio_to_full": {str(b): worst(b) for b in budgets},
+        "cells_below_target": {str(b): [c for c in cells(b) if c["ratio"] < CELL_TARGET] for b in budgets},
     }
 
 

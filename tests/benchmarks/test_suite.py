@@ -135,8 +135,29 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
     assert "Kept out of the averages" in text and "vt" in text.splitlines()[-1]
     # the targets' figures for the default method, readable from the summary
     head = headline(rows, avg, ["vllm", "sekv", "kvpress:snapkv"])
+    below = [{"task": "needle", "length": 1000, "accuracy": 0.5, "full_kv": 1.0, "ratio": 0.5},
+             {"task": "needle", "length": 2000, "accuracy": 0.25, "full_kv": 0.5, "ratio": 0.5}]
     assert head == {"method": "sekv", "families": ["needle"], "fast_tier_fraction": {"0.25": 0.25},
-                    "ratio_to_full": {"0.25": pytest.approx(0.5)}, "lowest_cell_ratio_to_full": {"0.25": 0.5}}
+                    "ratio_to_full": {"0.25": pytest.approx(0.5)}, "lowest_cell_ratio_to_full": {"0.25": 0.5},
+                    "cells_below_target": {"0.25": below}}
+
+
+def test_the_lowest_cell_counts_cells_the_model_can_do():
+    """A cell where full KV is below the informative floor (the model cannot do it at that length) says nothing
+    about compression: it is left out of the lowest cell and of the cells below target."""
+    records = [_record("vllm", 1.0, "needle", 1000, 1.0), _record("vllm", 1.0, "needle", 4000, 0.1),
+               _record("vllm", 1.0, "passkey", 1000, 0.5),
+               _record("sekv", 0.25, "needle", 1000, 0.9, fraction=0.25),
+               _record("sekv", 0.25, "needle", 4000, 0.0, fraction=0.25),
+               _record("sekv", 0.25, "passkey", 1000, 0.5, fraction=0.25)]
+    rows = summarize(records)
+    head = headline(rows, averages(rows), ["vllm", "sekv"])
+    assert head["lowest_cell_ratio_to_full"] == {"0.25": pytest.approx(0.9)}
+    assert head["cells_below_target"] == {"0.25": []}
+    records[3] = _record("sekv", 0.25, "needle", 1000, 0.8, fraction=0.25)
+    rows = summarize(records)
+    head = headline(rows, averages(rows), ["vllm", "sekv"])
+    assert [(c["task"], c["length"]) for c in head["cells_below_target"]["0.25"]] == [("needle", 1000)]
 
 
 @pytest.mark.vllm
