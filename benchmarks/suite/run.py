@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -146,11 +147,25 @@ def averages(rows: list[dict]) -> dict:
     return {"floor": INFORMATIVE_FLOOR, "excluded_tasks": excluded, "rows": out}
 
 
-def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
+def paired(records: list[dict], backend: str, budget: float, task: str, length: int) -> dict:
+    """A cell's samples scored against full KV's on the same sample (seed): how many lower, how many higher,
+    and the one-sided sign test's p-value of that many lower or more were each changed sample as likely to
+    go either way."""
+    full = {r["seed"]: r["score"] for r in records if (r["backend"], r["task"], r["length"]) == ("vllm", task, length)}
+    mine = [(r["score"], full[r["seed"]]) for r in records
+            if (r["backend"], r["budget"], r["task"], r["length"]) == (backend, budget, task, length) and r["seed"] in full]
+    lower = sum(a < b for a, b in mine)
+    changed = lower + sum(a > b for a, b in mine)
+    p = sum(math.comb(changed, k) for k in range(lower, changed + 1)) / 2 ** changed
+    return {"samples_lower": lower, "samples_higher": changed - lower, "sign_test_p": p}
+
+
+def headline(rows: list[dict], avg: dict, backends: list[str], records: list[dict]) -> dict:
     """The method's figures the targets are read from: its first SeKV backend (the grid's default method), the
     families averaged, and per budget its fast tier (share of full KV's bytes, everything counted), its average
     accuracy over full KV's, its lowest ratio to full KV in any one (family, length) cell the model can do (full
-    KV at least the informative floor there) and those cells below CELL_TARGET of full KV's."""
+    KV at least the informative floor there) and those cells below CELL_TARGET of full KV's, each with its
+    samples compared to full KV's (`paired`)."""
     method = next((b for b in backends if b.startswith("sekv")), None)
     if method is None:
         return {}
@@ -163,6 +178,10 @@ def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
                  "full_kv": full[(r["task"], r["length"])], "ratio": r["accuracy"] / full[(r["task"], r["length"])]}
                 for r in mine if r["budget"] == budget and full.get((r["task"], r["length"]), 0) >= INFORMATIVE_FLOOR]
 
+    def below(budget: float) -> list[dict]:
+        return [c | paired(records, method, budget, c["task"], c["length"]) for c in cells(budget)
+                if c["ratio"] < CELL_TARGET]
+
     def worst(budget: float) -> float | None:
         return min((c["ratio"] for c in cells(budget)), default=None)
 
@@ -174,7 +193,7 @@ def headline(rows: list[dict], avg: dict, backends: list[str]) -> dict:
         "fast_tier_fraction": {str(b): statistics.mean(f) if f else None for b, f in fractions.items()},
         "ratio_to_full": {str(a["budget"]): a["relative_to_full_kv"] for a in avg["rows"] if a["backend"] == method},
         "lowest_cell_ratio_to_full": {str(b): worst(b) for b in budgets},
-        "cells_below_target": {str(b): [c for c in cells(b) if c["ratio"] < CELL_TARGET] for b in budgets},
+        "cells_below_target": {str(b): below(b) for b in budgets},
     }
 
 
@@ -239,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                "sample_seconds": round(sum(r["batch_seconds"] / (1 if r.get("via") == "server" else r["batch_size"])
                                            for r in records)),
                "rows": rows, "averages": averages(rows)}
-    summary.update(headline(rows, summary["averages"], grid.backends))
+    summary.update(headline(rows, summary["averages"], grid.backends, records))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{'task':<16}{'tokens':>7}{'backend':>28}{'budget':>8}{'n':>4}{'acc':>7}{'fast tier':>11}{'s/sample':>10}")
     for r in rows:

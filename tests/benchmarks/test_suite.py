@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.suite.grid import EVAL_SEED_BASE, GridError, job_key, make_grid
 from benchmarks.suite.report import table
-from benchmarks.suite.run import averages, headline, load_records, pending_jobs, summarize
+from benchmarks.suite.run import averages, headline, load_records, paired, pending_jobs, summarize
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -134,9 +134,10 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
     assert "| needle | ~1000 | 1.00 | 0.50 | 0.00 |" in text
     assert "Kept out of the averages" in text and "vt" in text.splitlines()[-1]
     # the targets' figures for the default method, readable from the summary
-    head = headline(rows, avg, ["vllm", "sekv", "kvpress:snapkv"])
-    below = [{"task": "needle", "length": 1000, "accuracy": 0.5, "full_kv": 1.0, "ratio": 0.5},
-             {"task": "needle", "length": 2000, "accuracy": 0.25, "full_kv": 0.5, "ratio": 0.5}]
+    head = headline(rows, avg, ["vllm", "sekv", "kvpress:snapkv"], records)
+    one_lower = {"samples_lower": 1, "samples_higher": 0, "sign_test_p": 0.5}
+    below = [{"task": "needle", "length": 1000, "accuracy": 0.5, "full_kv": 1.0, "ratio": 0.5} | one_lower,
+             {"task": "needle", "length": 2000, "accuracy": 0.25, "full_kv": 0.5, "ratio": 0.5} | one_lower]
     assert head == {"method": "sekv", "families": ["needle"], "fast_tier_fraction": {"0.25": 0.25},
                     "ratio_to_full": {"0.25": pytest.approx(0.5)}, "lowest_cell_ratio_to_full": {"0.25": 0.5},
                     "cells_below_target": {"0.25": below}}
@@ -151,13 +152,24 @@ def test_the_lowest_cell_counts_cells_the_model_can_do():
                _record("sekv", 0.25, "needle", 4000, 0.0, fraction=0.25),
                _record("sekv", 0.25, "passkey", 1000, 0.5, fraction=0.25)]
     rows = summarize(records)
-    head = headline(rows, averages(rows), ["vllm", "sekv"])
+    head = headline(rows, averages(rows), ["vllm", "sekv"], records)
     assert head["lowest_cell_ratio_to_full"] == {"0.25": pytest.approx(0.9)}
     assert head["cells_below_target"] == {"0.25": []}
     records[3] = _record("sekv", 0.25, "needle", 1000, 0.8, fraction=0.25)
     rows = summarize(records)
-    head = headline(rows, averages(rows), ["vllm", "sekv"])
+    head = headline(rows, averages(rows), ["vllm", "sekv"], records)
     assert [(c["task"], c["length"]) for c in head["cells_below_target"]["0.25"]] == [("needle", 1000)]
+
+
+def test_a_cell_below_target_counts_its_samples_against_full_kvs():
+    """Paired by sample: 5 of 6 samples lower and one higher is a sign test's p of 7/64; a cell whose
+    samples all tie has p 1."""
+    full = [_record("vllm", 1.0, "needle", 1000, 1.0 if s < 5 else 0.0, seed=s) for s in range(6)]
+    mine = [_record("sekv", 0.25, "needle", 1000, 0.0 if s < 5 else 1.0, seed=s, fraction=0.25) for s in range(6)]
+    assert paired(full + mine, "sekv", 0.25, "needle", 1000) == {"samples_lower": 5, "samples_higher": 1,
+                                                               "sign_test_p": pytest.approx(7 / 64)}
+    assert paired(full + full, "vllm", 1.0, "needle", 1000) == {"samples_lower": 0, "samples_higher": 0,
+                                                              "sign_test_p": 1.0}
 
 
 @pytest.mark.vllm
