@@ -1,9 +1,11 @@
 """Plots from the perf results: memory vs context length, decode throughput vs batch,
 requests running at once in one KV pool over time (capacity), pages held as outputs grow
-(long_output), prefill seconds per phase (prefill_phases) and whole runs end to end (end_to_end).
+(long_output), prefill seconds per phase (prefill_phases), whole runs end to end (end_to_end) and their
+bounds (whole_run_bound).
 
     python -m benchmarks.perf.plot    # -> benchmarks/results/perf_memory.png, perf_throughput.png, capacity.png,
-                                      #    long_output.png, prefill_phases.png, end_to_end.png
+                                      #    long_output.png, prefill_phases.png, end_to_end.png,
+                                      #    whole_run_bound.png
 """
 from __future__ import annotations
 
@@ -164,6 +166,37 @@ def plot_end_to_end(result: dict, folder: Path) -> Path:
                  folder / "end_to_end.png")
 
 
+def plot_whole_run_bound(result: dict, source: Path) -> Path:
+    """Per output length, stock's whole run and sekv's split into what any backend pays (stock's prefill steps,
+    the model's step time at sekv's decode batches) and what sekv adds (its prefill extra, its decode attention),
+    with the 2x target's wall time; drawn beside the results file `source` and named after it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("stock_prefill_s", "prefill steps at stock's time"), ("sekv_prefill_extra_s", "sekv's prefill extra"),
+             ("decode_floor_s", "decode steps at the model's step time"),
+             ("decode_attention_s", "sekv's decode attention and its Python")]
+    outputs = result["outputs"]
+    fig, axes = plt.subplots(1, len(outputs), figsize=(5.5 * len(outputs), 4.4), squeeze=False)
+    for ax, (n_out, b) in zip(axes[0], outputs.items()):
+        ax.barh(1, b["stock_wall_s"], color="0.6")
+        left = 0.0
+        for i, (key, label) in enumerate(parts):
+            ax.barh(0, b[key], left=left, color=f"C{i}", label=label)
+            left += b[key]
+        ax.axvline(b["target_2x_wall_s"], color="k", ls="--", label="2x stock's output tok/s")
+        ax.set_yticks([0, 1], [f"sekv {b['sekv_wall_s']:.0f} s", f"stock {b['stock_wall_s']:.0f} s"])
+        ax.set_xlabel("seconds of the whole run")
+        ax.set_title(f"{n_out} output tokens: ceiling with free attention "
+                     f"{b['throughput_ceiling_attention_free']}x, model alone {b['throughput_ceiling_model_only']}x",
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    return _save(fig, f"{result['model']}: {result['command'].strip()} (runs: {result['runs']})",
+                 source.with_name(source.stem.removesuffix("_cpu") + ".png"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", type=Path, default=RESULTS / "perf_cpu.json")
@@ -171,6 +204,7 @@ def main() -> None:
     parser.add_argument("--long-output", type=Path, default=RESULTS / "long_output_cpu.json")
     parser.add_argument("--prefill-phases", type=Path, default=RESULTS / "prefill_phases_cpu.json")
     parser.add_argument("--end-to-end", type=Path, default=RESULTS / "end_to_end_cpu.json")
+    parser.add_argument("--whole-run-bound", type=Path, default=RESULTS / "whole_run_bound_cpu.json")
     args = parser.parse_args()
     paths = plot(json.loads(args.results.read_text()), args.results.parent)
     if args.capacity.exists():
@@ -181,6 +215,8 @@ def main() -> None:
         paths.append(plot_prefill_phases(json.loads(args.prefill_phases.read_text()), args.prefill_phases))
     if args.end_to_end.exists():
         paths.append(plot_end_to_end(json.loads(args.end_to_end.read_text()), args.end_to_end.parent))
+    if args.whole_run_bound.exists():
+        paths.append(plot_whole_run_bound(json.loads(args.whole_run_bound.read_text()), args.whole_run_bound))
     for path in paths:
         print(f"wrote {path}")
 
