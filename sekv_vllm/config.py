@@ -121,6 +121,10 @@ class SeKVConfig(BaseModel):
     # coarser 2-bit steps cost more accuracy than the bytes buy (needle 1K at a 12.5% fast tier, 6 samples:
     # a range per span, where the plan keeps 16 centroids, 0.50 and 0.83 in two runs; shared, 0.00 with
     # every key a centroid, 0.33 with 16).
+    summary_dtype: Literal["float16", "kv"] = Field(
+        "float16", description="the spans' summary rows (their mean key and value, attended for the tokens not "
+        "zoomed): float16 where the KV cache is wider (float32: half their fast-tier bytes, which go to zoom rows), "
+        "or kv: the KV cache's dtype")
     score_range_spans: int = Field(
         1, ge=1, le=64, description="consecutive spans sharing each channel's quantization range of their scoring "
         "codes (score_bits < 16): a range costs 2 float16 per KV head and channel")

@@ -8,7 +8,7 @@ from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import exact_attention
 from sekv_vllm.pool import HostPool
 from sekv_vllm.router import ModelShape
-from sekv_vllm.runtime import SeKVRuntime, Status
+from sekv_vllm.runtime import SeKVRuntime, Status, summary_dtype
 from tests.ops.test_span_decode import kernel_or_skip
 
 H, HKV, D = 9, 3, 64
@@ -49,6 +49,19 @@ def test_compress_then_attend_matches_exact_attention_at_full_budget_and_rank():
     assert float((out - ref).norm() / ref.norm()) < 1e-5
     fig = rt.figures("r")
     assert fig["decode_steps"] == 0 and fig["spans"] > 0 and fig["host_pool_bytes"] == rt.pool.used_bytes
+
+
+@pytest.mark.parametrize("setting, stored", [("float16", torch.float16), ("kv", torch.float32)])
+def test_summaries_are_stored_in_float16_beside_a_wider_kv_cache_or_in_its_dtype(setting, stored):
+    rt = SeKVRuntime(SeKVConfig(zoom_policy="span_score", min_prompt_tokens=10, summary_dtype=setting), LAYERS)
+    rt.admit("r", 1000, None)
+    prefill(rt, "r", 1000)
+    assert rt.compress("r").status is Status.COMPRESSED
+    memory = rt.pool.load("r", "l0")
+    assert memory.summary_k.dtype == memory.summary_v.dtype == stored
+    # a KV cache of 16-bit floats keeps its own dtype either way
+    assert summary_dtype(rt.config, torch.bfloat16) == torch.bfloat16
+    assert summary_dtype(rt.config, torch.float16) == torch.float16
 
 
 def test_full_pool_degrades_to_full_kv_without_error():

@@ -6,6 +6,7 @@ from sekv_vllm.config import SeKVConfig
 from sekv_vllm.runtime import SpanCosts, plan_layout
 
 COSTS = SpanCosts.of_rows(3, 64, 4, 18.0)  # the default model's float32 rows, the router's span scales
+SERVED = SpanCosts.of_rows(3, 64, 4, 18.0, 2)  # ... with float16 summaries (`summary_dtype`)
 
 
 def _surprisal(T: int) -> torch.Tensor:
@@ -14,11 +15,12 @@ def _surprisal(T: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("T", [1000, 2000, 4000, 8000])
 @pytest.mark.parametrize("ratio", [0.25, 0.125, 0.0625])
-def test_a_plan_stays_within_its_budget_and_spends_it(T, ratio):
+@pytest.mark.parametrize("costs", [COSTS, SERVED], ids=["float32 summaries", "float16 summaries"])
+def test_a_plan_stays_within_its_budget_and_spends_it(T, ratio, costs):
     config = SeKVConfig()
     budget = ratio * T
-    plan = plan_layout(_surprisal(T), budget, config, COSTS)
-    short = COSTS.short_range_rows(plan.centroids, config)
+    plan = plan_layout(_surprisal(T), budget, config, costs)
+    short = costs.short_range_rows(plan.centroids, config)
     assert plan.fast_rows + short <= budget
     assert plan.fast_rows > budget - plan.layout.span_tokens / max(plan.layout.num_spans, 1) - 1 - short
 
@@ -54,3 +56,16 @@ def test_a_short_prompt_window_gives_the_zoom_rows_for_single_keys():
     assert plan.zoom_budget - (config.max_span - 1) > 0
     # from 2K tokens the zoom has the rows: the window is whole
     assert T * 2 - plan_layout(_surprisal(2 * T), 0.125 * 2 * T, config, COSTS).layout.window_start == config.window
+
+
+@pytest.mark.parametrize("T", [2000, 4000, 8000])
+@pytest.mark.parametrize("ratio", [0.25, 0.125])
+def test_float16_summaries_keep_the_layout_and_give_the_zoom_half_a_row_per_span(T, ratio):
+    config = SeKVConfig()
+    wide, half = (plan_layout(_surprisal(T), ratio * T, config, c) for c in (COSTS, SERVED))
+    assert wide.span_rows - half.span_rows == pytest.approx(0.5)
+    # the same anchors and spans (the layout's share prices summaries as full rows): the bytes saved are zoom rows
+    assert torch.equal(half.layout.span_start, wide.layout.span_start)
+    assert torch.equal(half.layout.fixed_pos, wide.layout.fixed_pos)
+    assert half.centroids == wide.centroids == config.max_span
+    assert half.zoom_budget - wide.zoom_budget >= 0.5 * wide.layout.num_spans - 1

@@ -348,8 +348,9 @@ struct Request {
   int64_t num_full;
   const float* new_k;  // [Hkv, D]: written to row num_full - 1 first, or null
   const float* new_v;
-  const float* summary_k;  // [S, Hkv, D]
-  const float* summary_v;
+  const void* summary_k;  // [S, Hkv, D] float or half (summary_half)
+  const void* summary_v;
+  bool summary_half;
   const int64_t* span_len;  // [S]
   int64_t num_spans;
   const void* centroid_k;  // [S, C, Hkv, D] half or float, or codes [S, Hkv, C, D / m] uint8
@@ -411,7 +412,7 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // row_pages [P_b, 2, block_b, Hkv, D] float32 (a page's K rows, then its V rows) with page_table [n_b] int64 (row i
 // in page page_table[i / block_b]), of which the first num_full[b] rows ([B] int64) are attended; new_k/new_v
 // [B, Hkv, D] float32 (or empty): each request's newest row, written to row num_full[b] - 1 before it is attended;
-// summary_k/summary_v [S_b, Hkv, D] float32; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
+// summary_k/summary_v [S_b, Hkv, D] float32 or float16; span_len [S_b] int64; centroid_k [S_b, C_b, Hkv, D]
 // float16 or float32, or codes [S_b, Hkv, D / m, C_b] uint8 at code_bits bits each (m = 8 / code_bits per byte,
 // byte [j, c] holding centroid c's channels j + i * D / m in bits [i * code_bits, ...)) with centroid_lo/centroid_step
 // [N_b, Hkv, D] float16 and centroid_range [S_b] int64 (span s's value = lo[range[s]] + step[range[s]] * code; empty
@@ -492,8 +493,13 @@ std::vector<torch::Tensor> span_decode(
     r.num_full = num_full_p[b];
     r.new_k = appending ? new_k_p + b * Hkv * D : nullptr;
     r.new_v = appending ? new_v_p + b * Hkv * D : nullptr;
-    r.summary_k = f32(summary_k[b], "summary_k");
-    r.summary_v = f32(summary_v[b], "summary_v");
+    r.summary_half = summary_k[b].scalar_type() == torch::kHalf;
+    TORCH_CHECK((r.summary_half || summary_k[b].scalar_type() == torch::kFloat32) &&
+                    summary_v[b].scalar_type() == summary_k[b].scalar_type() && summary_k[b].is_contiguous() &&
+                    summary_v[b].is_contiguous(),
+                "summary_k/summary_v must be contiguous, both float32 or both float16");
+    r.summary_k = summary_k[b].data_ptr();
+    r.summary_v = summary_v[b].data_ptr();
     r.span_len = i64(span_len[b], "span_len");
     r.num_spans = span_len[b].numel();
     TORCH_CHECK(pages.dim() == 5 && pages.size(1) == 2 && pages.size(2) > 0 && pages.size(3) == Hkv &&
@@ -585,7 +591,7 @@ std::vector<torch::Tensor> span_decode(
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, learned_term,
-        group, logits, scores, lse, sums, qb, acc, key_logit, key_shift, rebuilt;
+        group, logits, scores, lse, sums, qb, acc, key_logit, key_shift, rebuilt, sum_k, sum_v;
     const std::vector<float> zero_row(D, 0.f);
     std::vector<const float*> krows, vrows;
     std::vector<uint64_t> order, picks;
@@ -605,6 +611,26 @@ std::vector<torch::Tensor> span_decode(
         val.resize(C);
         acc_c.resize(G * C);
         lcount.resize(C);
+      }
+      // This KV head's summary rows as floats: row s at summary_k_f + s * summary_ld (float16 ones converted).
+      const float *summary_k_f, *summary_v_f;
+      int64_t summary_ld;
+      if (r.summary_half) {
+        sum_k.resize(S * D);
+        sum_v.resize(S * D);
+        const c10::Half* hk = static_cast<const c10::Half*>(r.summary_k);
+        const c10::Half* hv = static_cast<const c10::Half*>(r.summary_v);
+        for (int64_t s = 0; s < S; ++s) {
+          to_float(hk + (s * Hkv + kh) * D, sum_k.data() + s * D, D);
+          to_float(hv + (s * Hkv + kh) * D, sum_v.data() + s * D, D);
+        }
+        summary_k_f = sum_k.data();
+        summary_v_f = sum_v.data();
+        summary_ld = D;
+      } else {
+        summary_k_f = static_cast<const float*>(r.summary_k) + kh * D;
+        summary_v_f = static_cast<const float*>(r.summary_v) + kh * D;
+        summary_ld = Hkv * D;
       }
 
       // 1. Span scores: logsumexp over centroids (+ the learned term); the group's best eligible head.
@@ -725,7 +751,7 @@ std::vector<torch::Tensor> span_decode(
           learned_term.resize(G * S);
           const float* qfg = qf + (b * H + kh * G) * D;
           for (int64_t s = 0; s < S; ++s) {
-            const float* ks = r.summary_k + (s * Hkv + kh) * D;
+            const float* ks = summary_k_f + s * summary_ld;
             for (int64_t g = 0; g < G; ++g) {
               learned_term[g * S + s] = dot(qfg + g * D, ks, D) * half_to_float(r.key_features[s * H + kh * G + g]);
             }
@@ -827,8 +853,8 @@ std::vector<torch::Tensor> span_decode(
       }
       for (int64_t s = 0; s < S; ++s) {
         if (zoomed[s] || span_read[s] == r.span_len[s]) continue;
-        krows.push_back(r.summary_k + (s * Hkv + kh) * D);
-        vrows.push_back(r.summary_v + (s * Hkv + kh) * D);
+        krows.push_back(summary_k_f + s * summary_ld);
+        vrows.push_back(summary_v_f + s * summary_ld);
       }
       for (int64_t s = 0; s < S && r.rows; ++s) {
         if (!zoomed[s]) continue;

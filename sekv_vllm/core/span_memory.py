@@ -52,6 +52,7 @@ def compress_layer(
     k: torch.Tensor, v: torch.Tensor, layout: SpanLayout, surprisal: torch.Tensor, r_max: int,
     score_centroids: int = 0, score_bits: int = 16, key_gates: KeyGates | None = None,
     store_rows: bool | None = None, score_range_spans: int = 1, eigh: Eigh = torch.linalg.eigh,
+    summary_dtype: torch.dtype | None = None,
 ) -> LayerSpanMemory:
     """k, v: [T, Hkv, D] prompt keys (post-RoPE) and values; surprisal: [T] float.
     score_centroids: key centroids per span for zoom scoring (0: the summary key alone), kept at
@@ -62,9 +63,10 @@ def compress_layer(
     key_gates(singular [S, Hkv, R], summary_k [S, Hkv, D]) -> g [S, Hkv, R]: reconstruction
     gates of the keys (the trained router's), folded into the stored coefficients.
     eigh: the eigensolver of the spans' Gram matrices (`torch.linalg.eigh` or `ops.small_eigh`).
+    summary_dtype: the summary rows' dtype (None: k's); the gates and scoring keys see the stored summaries.
     """
-    summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len)
-    summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len)
+    summary_k = summarize_spans(k, surprisal, layout.span_start, layout.span_len).to(summary_dtype or k.dtype)
+    summary_v = summarize_spans(v, surprisal, layout.span_start, layout.span_len).to(summary_dtype or v.dtype)
     form = rows_if_smaller if store_rows is None else (as_rows if store_rows else lambda b: b)
     # At r_max >= every span's length the factors rebuild the rows exactly and take more bytes than
     # they do: the rows are kept as they are (no decomposition) unless factors were asked for.

@@ -34,24 +34,31 @@ class SpanCosts:
     row_bytes:     one full-KV row (K and V of every KV head, KV dtype)
     num_kv_heads, head_dim: the model's
     feature_bytes: the zoom policy's features of one span, averaged over layers (0: it keeps none)
+    summary_bytes: one span's summary row (K and V of every KV head, in the summaries' dtype); None: row_bytes
     """
 
     row_bytes: int
     num_kv_heads: int
     head_dim: int
     feature_bytes: float = 0.0
+    summary_bytes: int | None = None
 
     @classmethod
-    def of_rows(cls, num_kv_heads: int, head_dim: int, element_size: int, feature_bytes: float) -> "SpanCosts":
-        """The costs for rows of `element_size` bytes per element (K and V of every KV head per row)."""
-        return cls(2 * num_kv_heads * head_dim * element_size, num_kv_heads, head_dim, feature_bytes)
+    def of_rows(cls, num_kv_heads: int, head_dim: int, element_size: int, feature_bytes: float,
+                summary_element_size: int | None = None) -> "SpanCosts":
+        """The costs for rows of `element_size` bytes per element (K and V of every KV head per row) and summary
+        rows of `summary_element_size` (None: element_size)."""
+        elements = 2 * num_kv_heads * head_dim
+        return cls(elements * element_size, num_kv_heads, head_dim, feature_bytes,
+                   elements * (summary_element_size or element_size))
 
-    def span_rows(self, centroids: int, config: SeKVConfig) -> float:
+    def span_rows(self, centroids: int, config: SeKVConfig, summary_as_row: bool = False) -> float:
         """What one span holds in the fast tier (summary row, centroids at the config's bits and ranges,
-        features), in rows' worth of bytes."""
+        features), in rows' worth of bytes; summary_as_row: its summary priced as a full row whatever its dtype."""
         codes = scoring_nbytes(centroids, config.score_bits, self.num_kv_heads, self.head_dim, config.max_span,
                                config.score_range_spans)
-        return 1.0 + (codes + self.feature_bytes) / self.row_bytes
+        summary = self.row_bytes if self.summary_bytes is None or summary_as_row else self.summary_bytes
+        return (summary + codes + self.feature_bytes) / self.row_bytes
 
     def short_range_rows(self, centroids: int, config: SeKVConfig) -> float:
         """What a stretch's last group of spans may hold beyond its spans' shares of their quantization range
@@ -83,6 +90,13 @@ class SpanPlan:
     def fast_rows(self) -> float:
         """Rows' worth of fast-tier bytes the plan holds per layer, zoom rows included."""
         return self.layout.fast_rows(self.span_rows) + self.zoom_budget
+
+
+def summary_dtype(config: SeKVConfig, kv_dtype: torch.dtype) -> torch.dtype:
+    """The spans' summary rows' dtype beside a KV cache of `kv_dtype` (`summary_dtype`: float16 where it is wider)."""
+    if config.summary_dtype == "float16" and kv_dtype.itemsize > 2:
+        return torch.float16
+    return kv_dtype
 
 
 def centroid_ladder(centroids: int) -> list[int]:
@@ -141,10 +155,13 @@ def _plan(surprisal: torch.Tensor, budget: float, config: SeKVConfig, costs: Spa
     floor = budget - config.min_zoom_spans * config.max_span  # the most the layout may take from the zoom
     for centroids in centroid_ladder(config.score_centroids):
         span_rows = costs.span_rows(centroids, config)
+        # The layout's share is fitted with summaries priced as full rows: what narrower summaries save goes to
+        # zoomed rows, not to more anchors (dev split, 2K at 25%: more anchors, more and shorter spans, no gain).
+        priced = costs.span_rows(centroids, config, summary_as_row=True)
         # spans are priced a share of their group's quantization range: the last group may be short
         short = costs.short_range_rows(centroids, config)
-        layout = segment(budget=share - short, span_rows=span_rows)
-        if layout.fast_rows(span_rows) <= share - short:
+        layout = segment(budget=share - short, span_rows=priced)
+        if layout.fast_rows(priced) <= share - short:
             return _spend(layout, budget - short, centroids, span_rows)
         fewest = segment(budget=0.0, span_rows=span_rows)  # every anchor demoted
         if fewest.fast_rows(span_rows) <= floor - short:

@@ -15,7 +15,7 @@ import torch
 from sekv_vllm.config import SeKVConfig
 from sekv_vllm.core import LayerSpanMemory, SpanLayout, append_spans, compress_layer, segment_prompt, surprisal_threshold
 from sekv_vllm.core.low_rank import Eigh
-from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout
+from sekv_vllm.runtime.span_budget import SpanCosts, SpanPlan, plan_layout, summary_dtype
 from sekv_vllm.methods import SEKV
 from sekv_vllm.policies import ZoomPolicy
 from sekv_vllm.pool import HostPool
@@ -47,7 +47,8 @@ class SpanCompression:
         return {name: compress_layer(k, v, layout, surprisal, cfg.r_max,
                                      0 if mem.zoom_all else mem.score_centroids, cfg.score_bits,
                                      self._key_gates(i) if gated else None,
-                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh)
+                                     store_rows=store_rows, score_range_spans=cfg.score_range_spans, eigh=self.eigh,
+                                     summary_dtype=summary_dtype(cfg, k.dtype))
                 for i, (name, (k, v)) in enumerate(rows.items())}
 
     def _key_gates(self, layer: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
@@ -77,7 +78,7 @@ class SpanCompression:
     def costs(self, k: torch.Tensor) -> SpanCosts:
         """What SeKV's parts cost per layer for rows like k [n, Hkv, D] (the KV dtype)."""
         _, Hkv, D = k.shape
-        return SpanCosts.of_rows(Hkv, D, k.element_size(), self.feature_bytes)
+        return SpanCosts.of_rows(Hkv, D, k.element_size(), self.feature_bytes, summary_dtype(self.config, k.dtype).itemsize)
 
     def compress_prompt(self, mem: RequestMemory) -> str:
         """Compress a prefilled prompt from its captured rows; "" when done, else why it keeps full KV."""

@@ -16,7 +16,7 @@ import torch
 from sekv_vllm.config import RequestOverrides
 from sekv_vllm.core import SpanLayout
 from sekv_vllm.core.span_summary import span_token_index
-from sekv_vllm.runtime import SpanCosts, plan_layout
+from sekv_vllm.runtime import SpanCosts, plan_layout, summary_dtype
 from sekv_vllm.training.config import TrainConfig
 from sekv_vllm.training.data import TrainingText
 from sekv_vllm.training.frozen_lm import FrozenLM
@@ -99,8 +99,9 @@ def teacher_pass(lm: FrozenLM, text: TrainingText, config: TrainConfig) -> Teach
     q = torch.stack([lm.rope(lm.heads(pre[(i, "q_proj")][cand], H), cand) for i in range(L)])  # [L, C, H, D]
 
     budget = config.sekv.budget_for(T0, RequestOverrides(sekv_budget_ratio=text.budget_ratio))
-    # what the served plan holds: float32 rows (vLLM's CPU cache) and the router's span scales
-    costs = SpanCosts.of_rows(Hkv, D, 4, H * 2)
+    # what the served plan holds: float32 rows (vLLM's CPU cache), the summaries' dtype beside them and the
+    # router's span scales
+    costs = SpanCosts.of_rows(Hkv, D, 4, H * 2, summary_dtype(config.sekv, torch.float32).itemsize)
     plan = plan_layout(surprisal, budget, config.sekv, costs)
     layout, zoom_budget = plan.layout, plan.zoom_budget
     S = layout.num_spans

@@ -83,6 +83,22 @@ def test_summaries_only_is_an_approximation_zoom_improves_it():
     assert e_zoom < 1e-4 < e_summary
 
 
+def test_float16_summaries_take_half_their_bytes_and_attend_as_float32_ones_do():
+    q, k, v, s = make_prompt(800, seed=2, rank=8)
+    layout = segment_prompt(s, window=16, alpha=1.0, l_min=4, max_span=32)
+    wide = compress_layer(k, v, layout, s, 8, score_centroids=32, score_bits=2)
+    half = compress_layer(k, v, layout, s, 8, score_centroids=32, score_bits=2, summary_dtype=torch.float16)
+    assert half.summary_k.dtype == half.summary_v.dtype == torch.float16
+    assert torch.equal(half.summary_v, wide.summary_v.half()) and torch.equal(half.summary_k, wide.summary_k.half())
+    summary_bytes = 2 * wide.summary_k.numel() * 4
+    assert wide.fast_tier_nbytes - half.fast_tier_nbytes == summary_bytes // 2
+    fk, fv = full_rows(layout, k, v)
+    zoom = torch.zeros(H, layout.num_spans, dtype=torch.bool)
+    zoom[:, ::5] = True
+    ref = attend_memory(q, fk, fv, wide, zoom, 1 / math.sqrt(D))
+    assert rel_err(attend_memory(q, fk, fv, half, zoom, 1 / math.sqrt(D)), ref) < 2e-3
+
+
 def test_rebuild_is_lossless_at_full_rank_and_rows_keep_span_order():
     _, k, _, s = make_prompt(300, seed=3)
     layout = segment_prompt(s, window=10, alpha=1.0, l_min=4, max_span=64)

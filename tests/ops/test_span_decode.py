@@ -43,17 +43,17 @@ CASES = {
     "span_score, 4 centroids": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=4),
     "span_score, summary key only": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=0),
     # short spans: the budget holds fewer centroids per span, a different count for each request; a
-    # quantization range shared by 4 spans
+    # quantization range shared by 4 spans; summaries in the KV dtype (float32; every other case: float16)
     "router, low-rank factors, centroids cut to each budget": dict(budget_ratio=0.12, r_max=8, max_span=16,
-                                                                   score_range_spans=4),
+                                                                   score_range_spans=4, summary_dtype="kv"),
     "span_score, every key at 2 bits": dict(budget_ratio=0.25, zoom_policy="span_score", score_centroids=32,
                                             score_bits=2),
     "router, 4 centroids at 4 bits": dict(budget_ratio=0.25, score_centroids=4, score_bits=4),
     # the rows whole spans leave over go to single keys
     "router, every key at 2 bits, keys recalled": dict(budget_ratio=0.15, score_centroids=32),
-    # at 12% "a" keeps 16 k-means centroids (no key recalled, even with a narrower window) beside "b", which
+    # at 10.5% "a" keeps 16 k-means centroids (no key recalled, even with a narrower window) beside "b", which
     # keeps every key with its window narrowed
-    "router, 12%, keys recalled beside a request that cannot": dict(budget_ratio=0.12),
+    "router, 10.5%, keys recalled beside a request that cannot": dict(budget_ratio=0.105),
     "router, every key at 2 bits, whole spans only": dict(budget_ratio=0.15, score_centroids=32, recall_keys=False),
     # whole spans take at most half the zoom rows, single keys the rest
     "router, every key at 2 bits, half the zoom rows for keys": dict(budget_ratio=0.15, score_centroids=32,
