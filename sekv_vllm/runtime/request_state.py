@@ -34,9 +34,11 @@ class RequestMemory:
     # The budget covers every span at token resolution: no choice to make, every span is
     # rebuilt exactly (no gates) and the policy is not asked.
     zoom_all: bool = False
-    # SeKV's plan: scoring centroids kept per span, and what a span holds in the fast tier (rows' worth of bytes).
+    # SeKV's plan: scoring centroids kept per span, what a span holds in the fast tier (rows' worth of bytes) and
+    # what it is priced at where a layout is fitted to its share (`SpanPlan.layout_span_rows`).
     score_centroids: int = 0
     span_rows: float = 1.0
+    layout_span_rows: float = 1.0
     # PREFILLING: every computed row by position, per layer.
     captured: dict[str, RowBuffer] = field(default_factory=dict)
     # PREFILLING, for a method that reads them: the prompt's last queries [W, H, D] by layer.

@@ -78,6 +78,7 @@ class SpanPlan:
     zoom_all:    the budget holds every span at full resolution: all are rebuilt at every step, no
                  scoring codes or features are kept
     span_rows:   what one span holds in the fast tier, in rows' worth of bytes
+    layout_span_rows: what a span is priced at where the layout is fitted to its share (its summary as a full row)
     """
 
     layout: SpanLayout
@@ -85,6 +86,7 @@ class SpanPlan:
     centroids: int
     zoom_all: bool
     span_rows: float
+    layout_span_rows: float
 
     @property
     def fast_rows(self) -> float:
@@ -151,7 +153,7 @@ def _plan(surprisal: torch.Tensor, budget: float, config: SeKVConfig, costs: Spa
     layout = segment(budget=share)
     left = budget - layout.fast_rows(1.0)
     if layout.num_spans and left >= layout.span_tokens - layout.num_spans:
-        return SpanPlan(layout, int(left), 0, True, 1.0)
+        return SpanPlan(layout, int(left), 0, True, 1.0, 1.0)
     floor = budget - config.min_zoom_spans * config.max_span  # the most the layout may take from the zoom
     for centroids in centroid_ladder(config.score_centroids):
         span_rows = costs.span_rows(centroids, config)
@@ -162,13 +164,13 @@ def _plan(surprisal: torch.Tensor, budget: float, config: SeKVConfig, costs: Spa
         short = costs.short_range_rows(centroids, config)
         layout = segment(budget=share - short, span_rows=priced)
         if layout.fast_rows(priced) <= share - short:
-            return _spend(layout, budget - short, centroids, span_rows)
+            return _spend(layout, budget - short, centroids, span_rows, priced)
         fewest = segment(budget=0.0, span_rows=span_rows)  # every anchor demoted
         if fewest.fast_rows(span_rows) <= floor - short:
-            return _spend(fewest, budget - short, centroids, span_rows)
-    return _spend(layout, budget, centroids, span_rows)
+            return _spend(fewest, budget - short, centroids, span_rows, priced)
+    return _spend(layout, budget, centroids, span_rows, priced)
 
 
-def _spend(layout: SpanLayout, budget: float, centroids: int, span_rows: float) -> SpanPlan:
+def _spend(layout: SpanLayout, budget: float, centroids: int, span_rows: float, priced: float) -> SpanPlan:
     """The plan of `layout`: what its spans and fixed rows leave of `budget` goes to zoomed spans."""
-    return SpanPlan(layout, max(int(budget - layout.fast_rows(span_rows)), 0), centroids, False, span_rows)
+    return SpanPlan(layout, max(int(budget - layout.fast_rows(span_rows)), 0), centroids, False, span_rows, priced)

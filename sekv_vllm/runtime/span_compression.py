@@ -87,7 +87,8 @@ class SpanCompression:
         layout, zoom_budget = plan.layout, plan.zoom_budget
         if layout.num_spans == 0:
             return "no span of at least l_min tokens outside the window"
-        mem.zoom_all, mem.score_centroids, mem.span_rows = plan.zoom_all, plan.centroids, plan.span_rows
+        mem.zoom_all, mem.score_centroids = plan.zoom_all, plan.centroids
+        mem.span_rows, mem.layout_span_rows = plan.span_rows, plan.layout_span_rows
         captured = {name: mem.captured[name].view() for name in self.layer_names}
         memories = self._compress_layers(mem, {n: (k[:T], v[:T]) for n, (k, v) in captured.items()}, layout,
                                          mem.surprisal[:T], None)
@@ -157,7 +158,7 @@ class SpanCompression:
         # split as the prompt's.
         share = n * mem.budget / mem.prompt_len
         layout = segment_prompt(surprisal, window=0, alpha=cfg.alpha, l_min=cfg.l_min, max_span=cfg.max_span,
-                                budget=share * (1 - cfg.zoom_share), span_rows=mem.span_rows, first_anchor=False,
+                                budget=share * (1 - cfg.zoom_share), span_rows=mem.layout_span_rows, first_anchor=False,
                                 theta=surprisal_threshold(mem.surprisal[: mem.prompt_len], cfg.alpha))
         if layout.num_spans == 0:
             mem.window_row, mem.window_pos = r0 + n, stop
