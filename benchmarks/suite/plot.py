@@ -2,6 +2,7 @@
 suite summary; the dashed line is full KV. Accuracy is averaged over the run's lengths.
 
     python -m benchmarks.suite.plot --profile quick    # -> benchmarks/results/suite-quick/accuracy.png
+    python -m benchmarks.suite.plot --run benchmarks/results/suite-zoom-1k-18   # any run's folder
 """
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def plot(summary: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default="quick")
+    parser.add_argument("--run", type=Path, default=None, help="a run's folder (its summary.json); default: the "
+                        "profile's, benchmarks/results/suite-PROFILE")
     args = parser.parse_args()
-    folder = RESULTS / f"suite-{args.profile}"
+    folder = args.run or RESULTS / f"suite-{args.profile}"
+    if not (folder / "summary.json").exists():
+        parser.error(f"{'--run' if args.run else '--profile'}: {folder} has no summary.json (a suite run's folder, "
+                     "written by python -m benchmarks.suite.run)")
     out = folder / "accuracy.png"
     plot(json.loads((folder / "summary.json").read_text()), out)
     print(f"wrote {out}")
