@@ -3,8 +3,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 
 def _summary(backends_budgets):
     rows = []
@@ -16,7 +14,6 @@ def _summary(backends_budgets):
 
 
 def test_plot_writes_the_png_of_the_run_folder_given(tmp_path):
-    pytest.importorskip("matplotlib")
     run = tmp_path / "suite-some-run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps(_summary([("vllm", 1.0, 1.0, 0.9), ("sekv:router", 0.25, 0.25, 0.8),
