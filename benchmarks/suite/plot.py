@@ -9,9 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+# characters of a 9-point title per inch of figure width (DejaVu Sans, with a margin)
+_CHARS_PER_INCH = 13
+
+
+def title_lines(summary: dict, chars: int) -> list[str]:
+    """The figure's title (model and the run's command) in lines of at most `chars` characters: a long command
+    (a run's --tasks, --lengths, --out) is wrapped, not cut at the figure's edge."""
+    return textwrap.wrap(f"{summary['model']}: {summary['command'].strip()}", width=chars, break_on_hyphens=False)
 
 
 def plot(summary: dict, out: Path) -> None:
@@ -44,7 +55,8 @@ def plot(summary: dict, out: Path) -> None:
         ax.set_ylim(-0.05, 1.05)
     axes[0][0].set_ylabel("accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{summary['model']}: {summary['command'].strip()}", fontsize=9)
+    title = title_lines(summary, chars=int(_CHARS_PER_INCH * fig.get_figwidth()))
+    fig.suptitle("\n".join(title), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

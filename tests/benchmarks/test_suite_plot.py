@@ -30,3 +30,13 @@ def test_plot_of_a_folder_without_a_summary_fails(tmp_path):
                          text=True)
     assert out.returncode == 2
     assert f"--run: {tmp_path} has no summary.json" in out.stderr
+
+
+def test_a_long_command_is_wrapped_into_the_title_whole():
+    from benchmarks.suite.plot import title_lines
+
+    command = ("python -m benchmarks.suite.run --profile zoom --tasks vt niah_multivalue --lengths 2000 4000 8000 "
+               "--budgets 0.125 --samples 18 --out benchmarks/results/suite-zoom-floor-18")
+    lines = title_lines({"model": "SmolLM2-135M-Instruct", "command": command}, chars=60)
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines)
+    assert " ".join(lines) == f"SmolLM2-135M-Instruct: {command}"
