@@ -61,15 +61,19 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
-def make_llm(model: str, sekv: dict | None, max_model_len: int, max_num_batched_tokens: int | None = None):
+def make_llm(model: str, sekv: dict | None, max_model_len: int, max_num_batched_tokens: int | None = None,
+             logits_processors: list | None = None):
     """An engine for `model` (a local folder) whose context holds max_model_len tokens, or the model's own
     limit where that is less (an 8K-token grid cell plus its answer room still fits an 8192-token model).
-    max_num_batched_tokens: vLLM's tokens per step (its prefill chunk); None: vLLM's default."""
+    max_num_batched_tokens: vLLM's tokens per step (its prefill chunk); None: vLLM's default.
+    logits_processors: vLLM logits processor classes the engine loads."""
     from vllm import LLM
 
     kwargs = {"additional_config": {"sekv": sekv}} if sekv is not None else {}
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if logits_processors:
+        kwargs["logits_processors"] = logits_processors
     return LLM(model, dtype="float32", enforce_eager=True, max_model_len=min(max_model_len, model_context(model)),
                enable_prefix_caching=False, **kwargs)
 
