@@ -1,7 +1,8 @@
-"""Teacher-forced fidelity runs side by side (`benchmarks.suite.fidelity`): per cell, each run's gap to full
-KV in nats per step, over every step and over the answer's tokens, as a bar chart and a markdown table.
+"""Teacher-forced fidelity runs side by side (`benchmarks.suite.fidelity`): per cell, each setting's gap to
+full KV in nats per step, over every step and over the answer's tokens, as a bar chart and a markdown table.
+Runs with the same sekv settings (`--sekv-config`) are one series: a setting's cells may come from several runs.
 
-    python -m benchmarks.suite.fidelity_plot benchmarks/results/fidelity-dev/{defaults,gates-0} \
+    python -m benchmarks.suite.fidelity_plot benchmarks/results/fidelity-dev/* \
         --out benchmarks/results/fidelity-dev/gaps.png
 """
 from __future__ import annotations
@@ -19,26 +20,34 @@ def load(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def label(run: Path, summary: dict) -> str:
-    config = summary["grid"].get("sekv_config") or {}
-    return run.name + (" " + json.dumps(config, separators=(",", ":")) if config else "")
+def series(runs: list[Path]) -> dict[str, dict[tuple, dict]]:
+    """Series label (the sekv settings, "defaults" for none) -> its rows by (task, length, backend, budget), the
+    runs with the same settings merged (a later run's row replaces an earlier one's)."""
+    out: dict[str, dict[tuple, dict]] = {}
+    for run in runs:
+        summary = load(run)
+        config = summary["grid"].get("sekv_config") or {}
+        name = json.dumps(config, separators=(",", ":")) if config else "defaults"
+        for r in summary["rows"]:
+            out.setdefault(name, {})[(r["task"], r["length"], r["backend"], r["budget"])] = r
+    return out
 
 
-def cells(summaries: list[dict]) -> list[tuple]:
-    """(task, length, backend, budget) of every row of any run, in the order the table lists them."""
-    keys = {(r["task"], r["length"], r["backend"], r["budget"]) for s in summaries for r in s["rows"]}
+def cells(by_series: dict[str, dict[tuple, dict]]) -> list[tuple]:
+    """(task, length, backend, budget) of every row of any series, in the order the table lists them."""
+    keys = {k for rows in by_series.values() for k in rows}
     return sorted(keys, key=lambda k: (k[0], k[1], k[2], -k[3]))
 
 
 def table(runs: list[Path]) -> str:
-    summaries = [load(r) for r in runs]
-    names = [label(r, s) for r, s in zip(runs, summaries)]
-    head = "| cell | " + " | ".join(names) + " |\n| --- |" + " --- |" * len(names) + "\n"
+    """Per cell and series: nats per step below full KV over every step / over the answer's tokens (agreement)."""
+    by_series = series(runs)
+    head = "| cell | " + " | ".join(by_series) + " |\n| --- |" + " --- |" * len(by_series) + "\n"
     lines = []
-    for cell in cells(summaries):
+    for cell in cells(by_series):
         out = []
-        for s in summaries:
-            row = next((r for r in s["rows"] if (r["task"], r["length"], r["backend"], r["budget"]) == cell), None)
+        for rows in by_series.values():
+            row = rows.get(cell)
             out.append("-" if row is None else " / ".join(
                 "-" if row[k] is None else f"{row[k]:.3f}" for k, _ in FIGURES) + f" ({row['agreement']:.3f})")
         lines.append(f"| {cell[0]} {cell[1]} {cell[3]:g} | " + " | ".join(out) + " |")
@@ -51,21 +60,22 @@ def plot(runs: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summaries = [load(r) for r in runs]
-    keys = cells(summaries)
-    fig, axes = plt.subplots(1, len(FIGURES), figsize=(max(8, 1.2 * len(keys) * len(FIGURES)), 4), squeeze=False)
-    width = 0.8 / len(runs)
-    for ax, (field, what) in zip(axes[0], FIGURES):
-        for i, (run, s) in enumerate(zip(runs, summaries)):
-            rows = {(r["task"], r["length"], r["backend"], r["budget"]): r for r in s["rows"]}
+    by_series = series(runs)
+    keys = cells(by_series)
+    fig, axes = plt.subplots(len(FIGURES), 1, figsize=(min(18, max(8, 0.25 * len(keys) * len(by_series))), 7), squeeze=False)
+    width = 0.8 / len(by_series)
+    for ax, (field, what) in zip(axes[:, 0], FIGURES):
+        for i, (name, rows) in enumerate(by_series.items()):
             ys = [rows[k][field] if k in rows and rows[k][field] is not None else 0.0 for k in keys]
-            ax.bar([j + i * width for j in range(len(keys))], ys, width, color=f"C{i}", label=label(run, s))
+            ax.bar([j + i * width for j in range(len(keys))], ys, width, color=f"C{i}", label=name)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
-        ax.set_xticklabels([f"{t}\n{n // 1000}K {b:g}" for t, n, _, b in keys], fontsize=8)
-        ax.set_ylabel(f"nats per step below full KV ({what})")
+        ax.set_xticklabels([f"{t.removeprefix('niah_')}\n{n // 1000}K {b:g}" for t, n, _, b in keys], fontsize=7)
+        ax.set_ylabel(f"nats/step below full KV\n({what})", fontsize=8)
         ax.axhline(0, color="k", linewidth=0.8)
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle("\n".join(title_lines({"model": summaries[0].get("model", ""), "command": summaries[0]["command"]},
+    axes[0][0].legend(fontsize=7)
+    command = "python -m benchmarks.suite.fidelity_plot " + " ".join(str(r) for r in runs)
+    model = next((m for m in (load(r).get("model") for r in runs) if m), "")
+    fig.suptitle("\n".join(title_lines({"model": model, "command": command},
                                        chars=int(13 * fig.get_figwidth()))), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
