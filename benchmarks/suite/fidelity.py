@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.engine import command_line, make_llm, run_in_subprocess
-from benchmarks.suite.grid import Grid, GridError, make_grid
+from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import prompt_id
 from benchmarks.suite.run import batches, load_records
 from sekv_vllm.tasks.ruler import chat_prompt, make_sample, token_counter
@@ -194,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = grid.jobs()
 
     def pending(path: Path, backend: str) -> list[dict]:
-        done = {(r["backend"], r["budget"], r["task"], r["length"], r["seed"]) for r in load_records(path)}
-        return [j for j in jobs if j["backend"] == backend
-                and (j["backend"], j["budget"], j["task"], j["length"], j["seed"]) not in done]
+        done = {job_key(r) for r in load_records(path)}
+        return [j for j in jobs if j["backend"] == backend and job_key(j) not in done]
 
     base = {"model": model, "grid": grid.model_dump()}
     todo = pending(ref_path, "vllm")
@@ -210,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             run_in_subprocess("benchmarks.suite.fidelity", {**base, "backend": backend, "jobs": todo,
                                                             "references": refs, "out": str(out_path)},
                               stock=False, show_progress=True)
-    keys = {(j["backend"], j["budget"], j["task"], j["length"], j["seed"]) for j in jobs}
-    records = [r for r in load_records(out_path) if (r["backend"], r["budget"], r["task"], r["length"], r["seed"]) in keys]
+    keys = {job_key(j) for j in jobs}
+    records = [r for r in load_records(out_path) if job_key(r) in keys]
     rows = summarize(records)
     (args.out / "summary.json").write_text(json.dumps(
         {"command": command_line("benchmarks.suite.fidelity", argv), "model": Path(model).name, "grid": grid.model_dump(),
