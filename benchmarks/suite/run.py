@@ -147,17 +147,25 @@ def averages(rows: list[dict]) -> dict:
     return {"floor": INFORMATIVE_FLOOR, "excluded_tasks": excluded, "rows": out}
 
 
-def paired(records: list[dict], backend: str, budget: float, task: str, length: int) -> dict:
-    """A cell's samples scored against full KV's on the same sample (seed): how many lower, how many higher,
-    and the one-sided sign test's p-value of that many lower or more were each changed sample as likely to
-    go either way."""
+def _pairs(records: list[dict], backend: str, budget: float, task: str, length: int) -> list[tuple[float, float]]:
+    """(score, full KV's score on the same sample) of each of a cell's samples that full KV also ran."""
     full = {r["seed"]: r["score"] for r in records if (r["backend"], r["task"], r["length"]) == ("vllm", task, length)}
-    mine = [(r["score"], full[r["seed"]]) for r in records
+    return [(r["score"], full[r["seed"]]) for r in records
             if (r["backend"], r["budget"], r["task"], r["length"]) == (backend, budget, task, length) and r["seed"] in full]
-    lower = sum(a < b for a, b in mine)
-    changed = lower + sum(a > b for a, b in mine)
+
+
+def _sign_test(pairs: list[tuple[float, float]]) -> dict:
+    """How many samples scored lower than full KV's, how many higher, and the one-sided sign test's p-value of
+    that many lower or more were each changed sample as likely to go either way."""
+    lower = sum(a < b for a, b in pairs)
+    changed = lower + sum(a > b for a, b in pairs)
     p = sum(math.comb(changed, k) for k in range(lower, changed + 1)) / 2 ** changed
     return {"samples_lower": lower, "samples_higher": changed - lower, "sign_test_p": p}
+
+
+def paired(records: list[dict], backend: str, budget: float, task: str, length: int) -> dict:
+    """A cell's samples scored against full KV's on the same sample (seed): `_sign_test`."""
+    return _sign_test(_pairs(records, backend, budget, task, length))
 
 
 def headline(rows: list[dict], avg: dict, backends: list[str], records: list[dict]) -> dict:
@@ -165,7 +173,9 @@ def headline(rows: list[dict], avg: dict, backends: list[str], records: list[dic
     families averaged, and per budget its fast tier (share of full KV's bytes, everything counted), its average
     accuracy over full KV's, its lowest ratio to full KV in any one (family, length) cell the model can do (full
     KV at least the informative floor there) and those cells below CELL_TARGET of full KV's, each with its
-    samples compared to full KV's (`paired`)."""
+    samples compared to full KV's (`paired`), and every sample of those cells against full KV's on the same
+    sample (`samples_against_full`: how many lower and higher, the sign test, the mean absolute difference of
+    their scores: how closely the method follows full KV, wins and losses both counted)."""
     method = next((b for b in backends if b.startswith("sekv")), None)
     if method is None:
         return {}
@@ -182,6 +192,11 @@ def headline(rows: list[dict], avg: dict, backends: list[str], records: list[dic
         return [c | paired(records, method, budget, c["task"], c["length"]) for c in cells(budget)
                 if c["ratio"] < CELL_TARGET]
 
+    def against_full(budget: float) -> dict:
+        pairs = [pair for c in cells(budget) for pair in _pairs(records, method, budget, c["task"], c["length"])]
+        diff = statistics.mean(abs(a - b) for a, b in pairs) if pairs else None
+        return {"samples": len(pairs), **_sign_test(pairs), "mean_abs_difference": diff}
+
     def worst(budget: float) -> float | None:
         return min((c["ratio"] for c in cells(budget)), default=None)
 
@@ -194,6 +209,7 @@ def headline(rows: list[dict], avg: dict, backends: list[str], records: list[dic
         "ratio_to_full": {str(a["budget"]): a["relative_to_full_kv"] for a in avg["rows"] if a["backend"] == method},
         "lowest_cell_ratio_to_full": {str(b): worst(b) for b in budgets},
         "cells_below_target": {str(b): below(b) for b in budgets},
+        "samples_against_full": {str(b): against_full(b) for b in budgets},
     }
 
 

@@ -140,7 +140,9 @@ def test_averages_keep_tasks_beyond_the_model_out_and_compare_to_full_kv():
              {"task": "needle", "length": 2000, "accuracy": 0.25, "full_kv": 0.5, "ratio": 0.5} | one_lower]
     assert head == {"method": "sekv", "families": ["needle"], "fast_tier_fraction": {"0.25": 0.25},
                     "ratio_to_full": {"0.25": pytest.approx(0.5)}, "lowest_cell_ratio_to_full": {"0.25": 0.5},
-                    "cells_below_target": {"0.25": below}}
+                    "cells_below_target": {"0.25": below},
+                    "samples_against_full": {"0.25": {"samples": 2, "samples_lower": 2, "samples_higher": 0,
+                                                      "sign_test_p": 0.25, "mean_abs_difference": 0.375}}}
 
 
 def test_the_lowest_cell_counts_cells_the_model_can_do():
@@ -159,6 +161,18 @@ def test_the_lowest_cell_counts_cells_the_model_can_do():
     rows = summarize(records)
     head = headline(rows, averages(rows), ["vllm", "sekv"], records)
     assert [(c["task"], c["length"]) for c in head["cells_below_target"]["0.25"]] == [("needle", 1000)]
+
+
+def test_every_sample_is_counted_against_full_kvs_wins_and_losses_both():
+    """Over the cells the model can do, a sample above full KV's counts as a difference as one below does."""
+    full = [_record("vllm", 1.0, "needle", 1000, [1.0, 0.0, 1.0, 0.5][s], seed=s) for s in range(4)]
+    full.append(_record("vllm", 1.0, "vt", 1000, 0.0, seed=0))  # below the floor: not counted
+    mine = [_record("sekv", 0.25, "needle", 1000, [1.0, 1.0, 0.0, 0.5][s], seed=s, fraction=0.25) for s in range(4)]
+    mine.append(_record("sekv", 0.25, "vt", 1000, 1.0, seed=0, fraction=0.25))
+    rows = summarize(full + mine)
+    head = headline(rows, averages(rows), ["vllm", "sekv"], full + mine)
+    assert head["samples_against_full"] == {"0.25": {"samples": 4, "samples_lower": 1, "samples_higher": 1,
+                                                     "sign_test_p": 0.75, "mean_abs_difference": 0.5}}
 
 
 def test_a_cell_below_target_counts_its_samples_against_full_kvs():
