@@ -65,7 +65,9 @@ def batches(jobs: list[dict]) -> list[list[dict]]:
 
 
 def worker(spec: dict) -> dict:
-    """Offline vLLM (stock or sekv) in this process: LLM.generate per batch."""
+    """Offline vLLM (stock or sekv) in this process: LLM.generate per batch. A sekv sample its request kept at
+    full KV (no compression figures: the host pool was full of its batch's other requests) measures nothing of
+    the method: it runs again in a batch half as large, and is recorded as it is only when it ran alone."""
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -75,10 +77,12 @@ def worker(spec: dict) -> dict:
     tok = llm.get_tokenizer()
     count = token_counter(tok)
     out_path = Path(spec["records"])
-    written = 0
+    written = retried = 0
+    pending = batches(spec["jobs"])
     with tqdm(total=len(spec["jobs"]), desc=spec["backend"], unit="sample", file=sys.stderr) as bar, \
             out_path.open("a") as out:
-        for batch in batches(spec["jobs"]):
+        while pending:
+            batch = pending.pop(0)
             samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
             params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"],
                                      extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
@@ -91,13 +95,24 @@ def worker(spec: dict) -> dict:
                 from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
                 figures = figures_by_request_id()
+            again = []
             for job, sample, o in zip(batch, samples, outputs):
+                fig = figures.get(o.request_id)
+                if sekv is not None and fig is None and len(batch) > 1:
+                    again.append(job)
+                    continue
                 out.write(json.dumps(make_record(job, sample.answers, o.outputs[0].text, len(o.prompt_token_ids),
-                                                 seconds, len(batch), figures.get(o.request_id))) + "\n")
+                                                 seconds, len(batch), fig)) + "\n")
             out.flush()
-            written += len(batch)
-            bar.update(len(batch))
-    return {"written": written}
+            if again:
+                half = max(len(batch) // 2, 1)
+                pending[:0] = [again[i : i + half] for i in range(0, len(again), half)]
+                retried += len(again)
+                print(f"{spec['backend']}: {len(again)} of {len(batch)} samples kept full KV beside their batch "
+                      f"(host pool full); running them again in batches of {half}", file=sys.stderr)
+            written += len(batch) - len(again)
+            bar.update(len(batch) - len(again))
+    return {"written": written, "retried": retried}
 
 
 def run_kvpress(grid: Grid, backend: str, jobs: list[dict], model: str, records: Path) -> None:
@@ -126,6 +141,8 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({"backend": backend, "budget": budget, "task": task, "length": length, "samples": len(rs),
                      "accuracy": statistics.mean(r["score"] for r in rs),
                      "fast_tier_fraction": statistics.mean(fractions) if fractions else (1.0 if backend == "vllm" else None),
+                     # sekv samples served at full KV (no compression figures): counted, never hidden in the mean
+                     "kept_full_kv": len(rs) - len(fractions) if backend.startswith("sekv") else 0,
                      "mean_seconds": statistics.mean(r["batch_seconds"] / (1 if r.get("via") == "server" else r["batch_size"]) for r in rs)})
     return rows
 
@@ -281,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         ft = "-" if r["fast_tier_fraction"] is None else f"{100 * r['fast_tier_fraction']:.1f}%"
         print(f"{r['task']:<16}{r['length']:>7}{r['backend']:>28}{r['budget']:>8.3f}{r['samples']:>4}"
               f"{r['accuracy']:>7.2f}{ft:>11}{r['mean_seconds']:>10.2f}")
+    for r in rows:
+        if r["kept_full_kv"]:
+            print(f"warning: {r['backend']} {r['budget']} {r['task']} {r['length']}: {r['kept_full_kv']} of "
+                  f"{r['samples']} samples served at full KV (kept_full_kv)", file=sys.stderr)
     print(f"records: {records_path}")
     return 0
 

@@ -108,6 +108,31 @@ def test_ci_profile_end_to_end_and_resume(tmp_path):
     assert sorted(map(job_key, again)) == sorted(map(job_key, grid.jobs()))
 
 
+@pytest.mark.vllm
+def test_a_sample_kept_at_full_kv_beside_its_batch_runs_again_alone(tmp_path):
+    # A host pool that holds one 1K request's spans (~45 MB) but not two: the second of a batch of two keeps full
+    # KV, which measures nothing of the method; it runs again alone and is recorded compressed.
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite.run", "--backends", "sekv", "--tasks", "needle",
+                           "--lengths", "1000", "--samples", "2", "--budgets", "0.5", "--sekv-config",
+                           json.dumps({"host_pool_bytes": 64 << 20}), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 of 2 samples kept full KV beside their batch" in proc.stderr
+    records = load_records(tmp_path / "records.jsonl")
+    assert len(records) == 2
+    assert all(r["fast_tier_fraction"] is not None for r in records)
+    assert sorted(r["batch_size"] for r in records) == [1, 2]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["kept_full_kv"] for r in summary["rows"]] == [0]
+
+
+def test_summary_counts_sekv_samples_served_at_full_kv():
+    rows = summarize([_record("vllm", 1.0, "needle", 1000, 1.0), _record("sekv", 0.25, "needle", 1000, 1.0, 0, 0.25),
+                      _record("sekv", 0.25, "needle", 1000, 0.0, 1, None)])
+    assert [(r["backend"], r["kept_full_kv"], r["fast_tier_fraction"]) for r in rows] == [
+        ("vllm", 0, 1.0), ("sekv", 1, 0.25)]
+
+
 def _record(backend, budget, task, length, score, seed=0, fraction=None):
     return {"backend": backend, "budget": budget, "task": task, "length": length, "seed": seed, "score": score,
             "fast_tier_fraction": fraction, "batch_seconds": 2.0, "batch_size": 2}
