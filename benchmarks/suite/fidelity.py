@@ -26,7 +26,8 @@ from pathlib import Path
 from benchmarks.engine import command_line, make_llm, run_in_subprocess
 from benchmarks.suite.grid import Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import prompt_id
-from benchmarks.suite.run import batches, load_records
+from benchmarks.suite.batches import run_batches
+from benchmarks.suite.run import load_records
 from sekv_vllm.tasks.ruler import chat_prompt, make_sample, token_counter
 
 FORCED_KEY = "forced_tokens"
@@ -94,7 +95,9 @@ def step_metrics(ranks: list[int], logprobs: list[float], ref_logprobs: list[flo
 
 
 def worker(spec: dict) -> dict:
-    """One engine: stock vLLM writes the references, a sekv backend the forced records."""
+    """One engine: stock vLLM writes the references, a sekv backend the forced records (`run_batches`: a sample
+    its request kept at full KV beside its batch runs again in a smaller one; `kept_full_kv` marks one that
+    kept it alone)."""
     from vllm import SamplingParams
 
     grid = Grid(**spec["grid"])
@@ -104,17 +107,22 @@ def worker(spec: dict) -> dict:
                    logits_processors=None if sekv is None else [forced_tokens_processor()])
     tok = llm.get_tokenizer()
     count = token_counter(tok)
+
+    def inputs(batch: list[dict]) -> tuple[list, list[str], list]:
+        samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
+        if sekv is None:
+            params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"], logprobs=0) for j in batch]
+        else:
+            params = [SamplingParams(temperature=0.0, max_tokens=len(refs[prompt_id(j)]["token_ids"]), logprobs=1,
+                                     extra_args={"sekv_budget_ratio": j["budget"],
+                                                 FORCED_KEY: refs[prompt_id(j)]["token_ids"]}) for j in batch]
+        return samples, [chat_prompt(s, tok) for s in samples], params
+
+    retried = 0
     with open(spec["out"], "a") as out:
-        for batch in batches(spec["jobs"]):
-            samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
-            if sekv is None:
-                params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"], logprobs=0) for j in batch]
-            else:
-                params = [SamplingParams(temperature=0.0, max_tokens=len(refs[prompt_id(j)]["token_ids"]), logprobs=1,
-                                         extra_args={"sekv_budget_ratio": j["budget"],
-                                                     FORCED_KEY: refs[prompt_id(j)]["token_ids"]}) for j in batch]
-            outputs = llm.generate([chat_prompt(s, tok) for s in samples], params, use_tqdm=False)
-            for job, sample, o in zip(batch, samples, outputs):
+        for done in run_batches(llm, spec["jobs"], inputs, sekv is not None, spec["backend"]):
+            retried += done.again
+            for job, sample, o, fig in zip(done.jobs, done.items, done.outputs, done.figures):
                 got = o.outputs[0]
                 record = {"prompt_id": prompt_id(job), **job}
                 if sekv is None:
@@ -129,14 +137,16 @@ def worker(spec: dict) -> dict:
                     record |= step_metrics([s.rank for s in steps], [s.logprob for s in steps],
                                            refs[prompt_id(job)]["logprobs"], scored)
                     record["sekv_config"] = grid.sekv_config
+                    record["kept_full_kv"] = fig is None
                 out.write(json.dumps(record) + "\n")
             out.flush()
-    return {"written": len(spec["jobs"])}
+    return {"written": len(spec["jobs"]), "retried": retried}
 
 
 def summarize(records: list[dict]) -> list[dict]:
     """Means per (backend, budget, task, length) cell; the answer figures over the samples whose reference
-    holds an answer (`answer_samples`)."""
+    holds an answer (`answer_samples`); `kept_full_kv`: samples whose request was served at full KV even alone
+    (records before that was counted have no such field)."""
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         cells[(r["backend"], r["budget"], r["task"], r["length"])].append(r)
@@ -148,7 +158,8 @@ def summarize(records: list[dict]) -> list[dict]:
     return [{"backend": b, "budget": x, "task": t, "length": n, "samples": len(rs),
              **{k: mean(rs, k) for k in ("agreement", "first_miss", "nll", "nll_gap", "steps", "answer_agreement",
                                          "answer_nll_gap")},
-             "answer_samples": sum(r["answer_agreement"] is not None for r in rs)}
+             "answer_samples": sum(r["answer_agreement"] is not None for r in rs),
+             "kept_full_kv": sum(bool(r.get("kept_full_kv")) for r in rs)}
             for (b, x, t, n), rs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0], -kv[0][1]))]
 
 
@@ -221,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['task']:<16}{r['length']:>7}{r['backend']:>16}{r['budget']:>8.3f}{r['samples']:>4}"
               f"{r['agreement']:>7.3f}{r['first_miss']:>9.1f}{r['nll']:>7.3f}{r['nll_gap']:>7.3f}"
               f"{_fmt(r['answer_agreement']):>10}{_fmt(r['answer_nll_gap']):>8}")
+        if r["kept_full_kv"]:
+            print(f"warning: {r['backend']} {r['budget']} {r['task']} {r['length']}: {r['kept_full_kv']} of "
+                  f"{r['samples']} samples served at full KV (kept_full_kv)", file=sys.stderr)
     return 0
 
 

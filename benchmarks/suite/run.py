@@ -25,12 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.engine import make_llm, run_in_subprocess
+from benchmarks.suite.batches import run_batches
 from benchmarks.suite.grid import PROFILES, Grid, GridError, job_key, make_grid
 from benchmarks.suite.records import make_record
 from sekv_vllm.tasks.ruler import chat_prompt, make_sample, split_after_question, token_counter
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-BATCH = 16
 # A task whose full-KV accuracy stays below this at every length is beyond the model, so it
 # says nothing about compression: it is kept out of the averages (and named in the summary).
 INFORMATIVE_FLOOR = 0.2
@@ -56,18 +56,9 @@ def pending_jobs(grid: Grid, records: list[dict]) -> list[dict]:
     return [j for j in grid.jobs() if job_key(j) not in done]
 
 
-def batches(jobs: list[dict]) -> list[list[dict]]:
-    """Jobs grouped by (task, length), cut into batches of at most BATCH."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for job in jobs:
-        groups[(job["task"], job["length"])].append(job)
-    return [g[i : i + BATCH] for g in groups.values() for i in range(0, len(g), BATCH)]
-
-
 def worker(spec: dict) -> dict:
-    """Offline vLLM (stock or sekv) in this process: LLM.generate per batch. A sekv sample its request kept at
-    full KV (no compression figures: the host pool was full of its batch's other requests) measures nothing of
-    the method: it runs again in a batch half as large, and is recorded as it is only when it ran alone."""
+    """Offline vLLM (stock or sekv) in this process: LLM.generate per batch (`run_batches`: a sekv sample its
+    request kept at full KV beside its batch runs again in a smaller one)."""
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -76,42 +67,25 @@ def worker(spec: dict) -> dict:
     llm = make_llm(spec["model"], sekv, max(grid.lengths) + max(j["max_tokens"] for j in spec["jobs"]) + 256)
     tok = llm.get_tokenizer()
     count = token_counter(tok)
-    out_path = Path(spec["records"])
-    written = retried = 0
-    pending = batches(spec["jobs"])
-    with tqdm(total=len(spec["jobs"]), desc=spec["backend"], unit="sample", file=sys.stderr) as bar, \
-            out_path.open("a") as out:
-        while pending:
-            batch = pending.pop(0)
-            samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
-            params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"],
-                                     extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
-                      for j in batch]
-            t0 = time.perf_counter()
-            outputs = llm.generate([chat_prompt(s, tok) for s in samples], params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            figures = {}
-            if sekv is not None:
-                from sekv_vllm.integration.vllm.runner_bridge import figures_by_request_id
 
-                figures = figures_by_request_id()
-            again = []
-            for job, sample, o in zip(batch, samples, outputs):
-                fig = figures.get(o.request_id)
-                if sekv is not None and fig is None and len(batch) > 1:
-                    again.append(job)
-                    continue
+    def inputs(batch: list[dict]) -> tuple[list, list[str], list]:
+        samples = [make_sample(j["task"], j["length"], j["depth"], j["seed"], count) for j in batch]
+        params = [SamplingParams(temperature=0.0, max_tokens=j["max_tokens"],
+                                 extra_args={"sekv_budget_ratio": j["budget"]} if sekv is not None else None)
+                  for j in batch]
+        return samples, [chat_prompt(s, tok) for s in samples], params
+
+    written = retried = 0
+    with tqdm(total=len(spec["jobs"]), desc=spec["backend"], unit="sample", file=sys.stderr) as bar, \
+            Path(spec["records"]).open("a") as out:
+        for done in run_batches(llm, spec["jobs"], inputs, sekv is not None, spec["backend"]):
+            for job, sample, o, fig in zip(done.jobs, done.items, done.outputs, done.figures):
                 out.write(json.dumps(make_record(job, sample.answers, o.outputs[0].text, len(o.prompt_token_ids),
-                                                 seconds, len(batch), fig)) + "\n")
+                                                 done.seconds, done.size, fig)) + "\n")
             out.flush()
-            if again:
-                half = max(len(batch) // 2, 1)
-                pending[:0] = [again[i : i + half] for i in range(0, len(again), half)]
-                retried += len(again)
-                print(f"{spec['backend']}: {len(again)} of {len(batch)} samples kept full KV beside their batch "
-                      f"(host pool full); running them again in batches of {half}", file=sys.stderr)
-            written += len(batch) - len(again)
-            bar.update(len(batch) - len(again))
+            written += len(done.jobs)
+            retried += done.again
+            bar.update(len(done.jobs))
     return {"written": written, "retried": retried}
 
 

@@ -51,6 +51,7 @@ def test_sekv_with_nothing_compressed_follows_full_kv_step_for_step(tmp_path):
     assert exact["answer_steps"] > 0 and exact["answer_agreement"] == 1.0  # full KV finds the 1K needle
     compressed = records[0.125]
     assert 0.0 <= compressed["agreement"] <= 1.0 and compressed["steps"] == exact["steps"]
+    assert compressed["kept_full_kv"] is False
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {(r["budget"], r["samples"]) for r in summary["rows"]} == {(1.0, 1), (0.125, 1)}
 
