@@ -3,7 +3,7 @@
 A batch's requests share the engine's host pool; when it is full, the runtime serves a request at
 full KV (it degrades, logs it and gives no compression figures). Such a sample measures nothing of
 the method, so it runs again in a batch half as large, and is kept as it is only when it ran alone
-(8K prompts: a batch of 16 needs ~5.7 GB of host pool, the engine's default is 4 GiB). The suite's
+(8K prompts: ~370 MB each, so a batch of 16 needs ~5.9 GB of host pool; the engine's default is 4 GiB). The suite's
 records (`benchmarks.suite.run`) and the forced fidelity runs (`benchmarks.suite.fidelity`) both run
 their jobs through `run_batches`.
 """
