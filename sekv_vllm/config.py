@@ -92,6 +92,12 @@ class SeKVConfig(BaseModel):
         "at least this share of its request's span scores (a softmax over the spans' scores, per KV head): where "
         "no span stands out the zoom spreads over single keys of many spans, a span that dominates is read whole; "
         "0: whole spans by score alone")
+    exact_fallback_coverage: float = Field(
+        0.0, ge=0.0, lt=1.0, description="where keys are recalled: a KV head whose rows read this step (full "
+        "rows, zoomed spans, recalled keys) hold less than this share of one of its query heads' attention "
+        "(estimated: full rows exactly, every other key by its scoring code) reads every prompt row instead, "
+        "from the host pool, for that step (the fast tier's bytes are unchanged; `mean_exact_heads` counts "
+        "them); 0: never")
     surprisal_precision: Literal["auto", "bfloat16", "model"] = Field(
         "auto", description="the prompt-token surprisal SeKV segments by: 'model' from the model's own logits (its "
         "dtype, vLLM's logits processor); 'bfloat16' from a bfloat16 copy of the output projection (within ~0.1 "

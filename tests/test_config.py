@@ -22,6 +22,7 @@ def test_defaults_validate():
         ({"surprisal_precision": "fp8"}, "sekv.surprisal_precision: Input should be 'auto', 'bfloat16' or 'model'"),
         ({"surprisal_exact_tokens": -8}, "sekv.surprisal_exact_tokens: Input should be greater than or equal to 0"),
         ({"whole_span_min_share": 1.5}, "sekv.whole_span_min_share: Input should be less than or equal to 1"),
+        ({"exact_fallback_coverage": 1.0}, "sekv.exact_fallback_coverage: Input should be less than 1"),
         ({"decode_room_tokens": -1}, "sekv.decode_room_tokens: Input should be greater than or equal to 0"),
         ({"summary_dtype": "bfloat16"}, "sekv.summary_dtype: Input should be 'float16' or 'kv'"),
     ],

@@ -21,5 +21,5 @@ def make_record(job: dict, answers, output: str, prompt_tokens: int, seconds: fl
         "fast_tier_fraction": fig.get("fast_tier_fraction"), "fast_tier_bytes": fig.get("fast_tier_bytes"),
         "host_pool_bytes": fig.get("host_pool_bytes"), "full_kv_bytes": fig.get("full_kv_bytes"),
         "spans": fig.get("spans"), "mean_zoomed_spans": fig.get("mean_zoomed_spans"),
-        "mean_recalled_keys": fig.get("mean_recalled_keys"),
+        "mean_recalled_keys": fig.get("mean_recalled_keys"), "mean_exact_heads": fig.get("mean_exact_heads"),
     }

@@ -372,6 +372,7 @@ struct Request {
   int64_t budget;
   int64_t whole_budget;  // the rows whole spans may take of budget
   float log_min_share;  // a span zoomed whole holds at least this log share of the request's span scores
+  float fallback;  // a KV head whose rows read hold less than this share of a query's attention reads every row
   bool zoom_all;
   bool recall;  // the rows whole spans leave over go to single keys (every centroid one key)
 };
@@ -421,13 +422,15 @@ const int64_t* i64(const torch::Tensor& t, const char* name) {
 // float32 (empty bases: coef_k/coef_v are the span rows [P_b, Hkv, D]); row_offset [S_b] int64. budgets [B] int64 zoom rows per KV head (a span costs
 // |s| - 1), whole_budgets [B] int64 the most of them whole spans take, min_shares [B] float32 the least share of
 // the request's span scores (a softmax over its eligible spans' group scores, per KV head) a span zoomed whole
-// holds; zoom_all [B] bool; recall_keys: the rows a request's whole spans leave over go to the best single keys
+// holds; fallbacks [B] float32: where keys are recalled, a KV head whose rows read (full rows, zoomed spans, recalled
+// keys) hold less than this share of one of its query heads' attention (full rows' logits exact, every other key's
+// its code logit) reads every span's rows instead (0: never); zoom_all [B] bool; recall_keys: the rows a request's whole spans leave over go to the best single keys
 // of its other eligible spans, one row each (requests whose centroids are their keys: empty log_count), a key
 // scored as its centroid's logit plus what its span's score adds to their logsumexp, and a summary then stands for
 // its span's tokens not read. query_features [B, H, D] float32 or empty: the learned term of span s
 // for head h is (query_features[b, h] . summary_k[s, h / G]) * key_features[s, h]; bias, threshold [H] float32 (a span is eligible for head h when its score > threshold[h]).
 // Returns (out [B, H, D] float32, zoomed_spans [B] int64: the spans zoomed by any head, recalled_keys [B] int64:
-// the single keys read, summed over KV heads, per request).
+// the single keys read, summed over KV heads, exact_heads [B] int64: the KV heads that read every row, per request).
 std::vector<torch::Tensor> span_decode(
     const torch::Tensor& q, const std::vector<torch::Tensor>& row_pages, const std::vector<torch::Tensor>& page_table,
     const torch::Tensor& num_full, const torch::Tensor& new_k, const torch::Tensor& new_v,
@@ -439,7 +442,7 @@ std::vector<torch::Tensor> span_decode(
     const std::vector<torch::Tensor>& coef_k, const std::vector<torch::Tensor>& basis_k,
     const std::vector<torch::Tensor>& coef_v, const std::vector<torch::Tensor>& basis_v,
     const std::vector<torch::Tensor>& row_offset, const torch::Tensor& budgets, const torch::Tensor& whole_budgets,
-    const torch::Tensor& min_shares, const torch::Tensor& zoom_all,
+    const torch::Tensor& min_shares, const torch::Tensor& fallbacks, const torch::Tensor& zoom_all,
     bool recall_keys, const torch::Tensor& query_features, const torch::Tensor& bias, const torch::Tensor& threshold,
     double scale, double score_scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
@@ -470,10 +473,12 @@ std::vector<torch::Tensor> span_decode(
   const int64_t* budget_p = i64(budgets, "budgets");
   const int64_t* whole_budget_p = i64(whole_budgets, "whole_budgets");
   const float* min_share_p = f32(min_shares, "min_shares");
+  const float* fallback_p = f32(fallbacks, "fallbacks");
   TORCH_CHECK(zoom_all.scalar_type() == torch::kBool, "zoom_all must be bool");
   const bool* zoom_all_p = zoom_all.data_ptr<bool>();
-  TORCH_CHECK(budgets.numel() == B && whole_budgets.numel() == B && min_shares.numel() == B && zoom_all.numel() == B,
-              "budgets, whole_budgets, min_shares and zoom_all must have B entries");
+  TORCH_CHECK(budgets.numel() == B && whole_budgets.numel() == B && min_shares.numel() == B &&
+                  fallbacks.numel() == B && zoom_all.numel() == B,
+              "budgets, whole_budgets, min_shares, fallbacks and zoom_all must have B entries");
 
   const int64_t* num_full_p = i64(num_full, "num_full");
   TORCH_CHECK(num_full.numel() == B, "num_full must have B entries");
@@ -574,6 +579,7 @@ std::vector<torch::Tensor> span_decode(
     r.budget = budget_p[b];
     r.whole_budget = std::min(whole_budget_p[b], r.budget);
     r.log_min_share = std::log(min_share_p[b]);
+    r.fallback = fallback_p[b];
     r.zoom_all = zoom_all_p[b];
     r.recall = recall_keys && !r.zoom_all && r.log_count == nullptr;
     span_offset[b + 1] = span_offset[b] + r.num_spans;
@@ -582,6 +588,7 @@ std::vector<torch::Tensor> span_decode(
   float* out_p = out.data_ptr<float>();
   std::vector<char> zoom_flags(span_offset[B] * Hkv, 0);  // [sum S_b, Hkv]: each task writes its own head
   std::vector<int64_t> recalled_keys(B * Hkv, 0);  // [B, Hkv]: keys read one by one
+  std::vector<char> exact_heads(B * Hkv, 0);  // [B, Hkv]: read every row (exact fallback)
   const float fscale = static_cast<float>(scale), fscore = static_cast<float>(score_scale);
 
   // Tasks differ in cost (prompt lengths, spans, zoomed rows): handed out one at a time, not in
@@ -595,7 +602,7 @@ std::vector<torch::Tensor> span_decode(
     const std::vector<float> zero_row(D, 0.f);
     std::vector<const float*> krows, vrows;
     std::vector<uint64_t> order, picks;
-    std::vector<char> zoomed;
+    std::vector<char> zoomed, key_read;
     std::vector<int64_t> key_span, key_token, span_read;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
@@ -828,6 +835,52 @@ std::vector<torch::Tensor> span_decode(
           }
         }
       }
+      // 2c. Exact fallback: the share of each query head's estimated attention on the rows read; below the
+      // request's fallback for any of them, every span is read.
+      if (r.recall && r.fallback > 0.f) {
+        key_read.assign(S * C, 0);
+        for (size_t i = 0; i < key_span.size(); ++i) key_read[key_span[i] * C + key_token[i]] = 1;
+        float least = 1.f;
+        for (int64_t g = 0; g < G; ++g) {
+          // logsumexps of the rows read and of the keys not read, each as (max, sum of exp(x - max))
+          float read_max = kNegInf, read_sum = 0.f, miss_max = kNegInf, miss_sum = 0.f;
+          auto add = [](float x, float& m, float& sum) {
+            if (x == kNegInf) return;
+            if (x > m) {
+              sum = sum * std::exp(m - x) + 1.f;
+              m = x;
+            } else {
+              sum += std::exp(x - m);
+            }
+          };
+          for (int64_t i = 0; i < r.num_full; ++i) {
+            add(dot(qg + g * D, full_row(r, i, kh, false, Hkv, D), D) * fscale, read_max, read_sum);
+          }
+          for (int64_t s = 0; s < S; ++s) {
+            const float* kl = key_logit.data() + (s * G + g) * C;
+            for (int64_t c = 0; c < r.span_len[s]; ++c) {
+              if (zoomed[s] || key_read[s * C + c]) {
+                add(kl[c], read_max, read_sum);
+              } else {
+                add(kl[c], miss_max, miss_sum);
+              }
+            }
+          }
+          if (miss_max == kNegInf) continue;
+          const float read_lse = read_max == kNegInf ? kNegInf : read_max + std::log(read_sum);
+          const float miss_lse = miss_max + std::log(miss_sum);
+          // the share read: 1 - exp(miss - logaddexp(read, miss)), as the torch path computes it
+          const float top = std::max(read_lse, miss_lse);
+          const float total = top + std::log(std::exp(read_lse - top) + std::exp(miss_lse - top));
+          least = std::min(least, -std::expm1(miss_lse - total));
+        }
+        if (least < r.fallback) {
+          std::fill(zoomed.begin(), zoomed.end(), 1);
+          key_span.clear();
+          key_token.clear();
+          exact_heads[b * Hkv + kh] = 1;
+        }
+      }
       int64_t zoom_tokens = 0, summaries = 0;
       const int64_t keys_read = static_cast<int64_t>(key_span.size());
       recalled_keys[b * Hkv + kh] = keys_read;
@@ -945,26 +998,29 @@ std::vector<torch::Tensor> span_decode(
   }
   auto zoomed_spans = torch::zeros({B}, q.options().dtype(torch::kInt64));
   auto recalled = torch::zeros({B}, q.options().dtype(torch::kInt64));
+  auto exact = torch::zeros({B}, q.options().dtype(torch::kInt64));
   int64_t* zs = zoomed_spans.data_ptr<int64_t>();
   int64_t* rk = recalled.data_ptr<int64_t>();
+  int64_t* ex = exact.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t s = span_offset[b]; s < span_offset[b + 1]; ++s) {
       zs[b] += std::any_of(zoom_flags.begin() + s * Hkv, zoom_flags.begin() + (s + 1) * Hkv, [](char z) { return z; });
     }
     rk[b] = std::accumulate(recalled_keys.begin() + b * Hkv, recalled_keys.begin() + (b + 1) * Hkv, int64_t{0});
+    ex[b] = std::count(exact_heads.begin() + b * Hkv, exact_heads.begin() + (b + 1) * Hkv, 1);
   }
-  return {out, zoomed_spans, recalled};
+  return {out, zoomed_spans, recalled, exact};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Named arguments only (keyword-only in Python): 30 of them, several of the same type.
+  // Named arguments only (keyword-only in Python): 32 of them, several of the same type.
   m.def("span_decode", &span_decode, "sekv decode attention of many compressed requests, one layer (CPU)", py::kw_only(),
         py::arg("q"), py::arg("row_pages"), py::arg("page_table"), py::arg("num_full"), py::arg("new_k"),
         py::arg("new_v"), py::arg("summary_k"), py::arg("summary_v"), py::arg("span_len"), py::arg("centroid_k"),
         py::arg("log_count"), py::arg("centroid_lo"), py::arg("centroid_step"), py::arg("centroid_range"),
         py::arg("code_bits"),
         py::arg("key_features"), py::arg("coef_k"), py::arg("basis_k"), py::arg("coef_v"), py::arg("basis_v"),
-        py::arg("row_offset"), py::arg("budgets"), py::arg("whole_budgets"), py::arg("min_shares"), py::arg("zoom_all"), py::arg("recall_keys"),
+        py::arg("row_offset"), py::arg("budgets"), py::arg("whole_budgets"), py::arg("min_shares"), py::arg("fallbacks"), py::arg("zoom_all"), py::arg("recall_keys"),
         py::arg("query_features"), py::arg("bias"),
         py::arg("threshold"), py::arg("scale"), py::arg("score_scale"));
 }

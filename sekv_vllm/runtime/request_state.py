@@ -69,6 +69,7 @@ class RequestMemory:
     decode_calls: int = 0
     zoomed_spans_total: int = 0
     recalled_keys_total: int = 0
+    exact_heads_total: int = 0
     figures: CompressionFigures | None = None
     # COMPRESSED: the state a method other than SeKV keeps for the request (e.g. quest's `SelectedPages`).
     method_state: object | None = None
@@ -105,6 +106,8 @@ def running_figures(mem: RequestMemory, num_layers: int, host_pool_bytes_now: in
         mean_zoomed_spans=mem.zoomed_spans_total / max(mem.decode_calls, 1),
         # single keys read per layer and step, over the KV heads (SeKV's zoom rows whole spans leave over)
         mean_recalled_keys=mem.recalled_keys_total / max(mem.decode_calls, 1),
+        # KV heads per layer and step that read every row (SeKV's exact fallback)
+        mean_exact_heads=mem.exact_heads_total / max(mem.decode_calls, 1),
         output_spans=mem.output_spans,
         output_span_tokens=mem.output_span_tokens,
         output_anchor_and_short_tokens=mem.output_fixed_tokens,

@@ -21,6 +21,7 @@ from sekv_vllm.core import LayerSpanMemory, SpanKeys, concat_span_keys
 from sekv_vllm.core.batched_attention import batched_mixed_attention
 from sekv_vllm.core.low_rank import SpanBases, span_factors
 from sekv_vllm.policies import ZoomPolicy, segment_budgeted_zoom, segment_key_recall
+from sekv_vllm.policies.exact_fallback import segment_read_coverage
 from sekv_vllm.pool import HostPool
 from sekv_vllm.runtime.paged_rows import PagedRows
 from sekv_vllm.runtime.request_state import RequestMemory
@@ -42,11 +43,12 @@ def _basis(bases: SpanBases) -> torch.Tensor:
 class DecodedLayer:
     """One layer's decode attention of a batch and what it read, per request: out [B, H, D] float32;
     zoomed [B] int64 the spans some KV head read whole; recalled [B] int64 the single keys read (summed
-    over KV heads)."""
+    over KV heads); exact [B] int64 the KV heads that read every row (exact fallback)."""
 
     out: torch.Tensor
     zoomed: torch.Tensor
     recalled: torch.Tensor
+    exact: torch.Tensor
 
 
 @dataclass
@@ -56,7 +58,8 @@ class BatchSpans:
     layers: each request's compressed layer; features: each request's `key_features` (a
     placeholder where it has none); seg [S] the request (batch position) of each span; budgets [B] zoom
     rows per KV head, whole_budgets [B] the most of them whole spans take, min_shares [B] float32 the least
-    share of its request's span scores a span zoomed whole has (`segment_budgeted_zoom`); zoom_all [B] bool; per_key [S]
+    share of its request's span scores a span zoomed whole has (`segment_budgeted_zoom`); fallbacks [B] float32
+    the coverage below which a KV head reads every row (`segment_read_coverage`; 0: never); zoom_all [B] bool; per_key [S]
     bool: the span's keys may be recalled one by one (its request recalls keys, does not zoom every span,
     and its scoring centroids are its keys). `keys` and `summary_v` [S, Hkv, D] concatenate the requests'
     spans (the torch path's inputs), `kernel_spans` and `kernel_bases` list them (the C++ kernel's); each is
@@ -70,6 +73,7 @@ class BatchSpans:
     budgets: torch.Tensor
     whole_budgets: torch.Tensor
     min_shares: torch.Tensor
+    fallbacks: torch.Tensor
     zoom_all: torch.Tensor
     per_key: torch.Tensor
     span_offset: list[int]
@@ -114,16 +118,19 @@ class SpanDecoder:
     """The batch's spans per layer (cached) and their attention; max_span pads the torch path's factors;
     recall_keys: spend the zoom rows whole spans leave over on single keys (`SeKVConfig.recall_keys`), of which
     whole spans take at most whole_span_share where keys are recalled (`SeKVConfig.whole_span_share`), and only
-    spans holding whole_span_min_share of their request's span scores (`SeKVConfig.whole_span_min_share`)."""
+    spans holding whole_span_min_share of their request's span scores (`SeKVConfig.whole_span_min_share`), and a
+    KV head reads every row where its rows read hold less than exact_fallback_coverage of a query head's attention
+    (`SeKVConfig.exact_fallback_coverage`)."""
 
     def __init__(self, policy: ZoomPolicy, pool: HostPool[LayerSpanMemory], max_span: int, recall_keys: bool,
-                 whole_span_share: float, whole_span_min_share: float) -> None:
+                 whole_span_share: float, whole_span_min_share: float, exact_fallback_coverage: float) -> None:
         self.policy = policy
         self.pool = pool
         self.max_span = max_span
         self.recall_keys = recall_keys
         self.whole_span_share = whole_span_share
         self.whole_span_min_share = whole_span_min_share
+        self.exact_fallback_coverage = exact_fallback_coverage
         # Per layer, the spans of the last batch that decoded.
         self._cache: dict[str, BatchSpans] = {}
 
@@ -156,6 +163,7 @@ class SpanDecoder:
             whole_budgets=torch.tensor([int(m.zoom_budget * self.whole_span_share) if r else m.zoom_budget
                                         for m, r in zip(mems, recalls)], dtype=torch.int64),
             min_shares=torch.tensor([self.whole_span_min_share if r else 0.0 for r in recalls], dtype=torch.float32),
+            fallbacks=torch.tensor([self.exact_fallback_coverage if r else 0.0 for r in recalls], dtype=torch.float32),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
             per_key=torch.repeat_interleave(torch.tensor(recalls), torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
@@ -169,19 +177,19 @@ class SpanDecoder:
         it writes in place) -> out [B, H, D] float32 and what each request read."""
         terms = self.policy.query_terms(layer, q, scale)
         learned = terms.features is not None
-        out, zoomed, recalled = kernel.span_decode(
+        out, zoomed, recalled, exact = kernel.span_decode(
             q=q.float().contiguous(), row_pages=[b.pages for b in rows], page_table=[b.table for b in rows],
             num_full=torch.tensor([b.length for b in rows], dtype=torch.int64),
             new_k=_NO_NEW_ROWS if new_k is None else new_k.float().contiguous(),
             new_v=_NO_NEW_ROWS if new_v is None else new_v.float().contiguous(),
             **batch.kernel_spans, **batch.kernel_bases,
             key_features=list(batch.features) if learned else [], budgets=batch.budgets,
-            whole_budgets=batch.whole_budgets, min_shares=batch.min_shares, zoom_all=batch.zoom_all,
-            recall_keys=self.recall_keys,
+            whole_budgets=batch.whole_budgets, min_shares=batch.min_shares, fallbacks=batch.fallbacks,
+            zoom_all=batch.zoom_all, recall_keys=self.recall_keys,
             query_features=terms.features if learned else _NO_QUERY_FEATURES, bias=terms.bias,
             threshold=terms.threshold, scale=scale, score_scale=terms.score_scale,
         )
-        return DecodedLayer(out, zoomed, recalled)
+        return DecodedLayer(out, zoomed, recalled, exact)
 
     def attend_torch(self, batch: BatchSpans, layer: int, q: torch.Tensor,
                      full: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> DecodedLayer:
@@ -197,12 +205,20 @@ class SpanDecoder:
         L = self.max_span
         span_tokens = torch.arange(L, device=q.device)[None, :] < keys.span_len[:, None]  # [S, L]
         read = whole[..., None] & span_tokens[:, None, :]  # [S, Hkv, L]
-        recalled = torch.zeros(B, dtype=torch.int64, device=q.device)
+        keys_read = torch.zeros(0, Hkv, 1, dtype=torch.bool, device=q.device)
         if bool(batch.per_key.any()):
             key_score = self.policy.key_scores(layer, q, batch.seg, keys, score, scale)
             keys_read = segment_key_recall(key_score, batch.seg, keys.span_len, zoom, batch.budgets, Hkv, eligible,
                                            batch.per_key)
             read |= torch.nn.functional.pad(keys_read, (0, max(L - keys_read.shape[2], 0)))[..., :L]
+        exact = self._exact_heads(batch, q, full, read, scale)  # [B, Hkv]
+        if bool(exact.any()):  # only requests that recall keys fall back: keys_read is [S, Hkv, C] then
+            every = exact[batch.seg]  # [S, Hkv]
+            whole = whole | every
+            read |= every[..., None] & span_tokens[:, None, :]
+            keys_read = keys_read & ~every[..., None]
+        recalled = torch.zeros(B, dtype=torch.int64, device=q.device)
+        if keys_read.numel():
             recalled.index_add_(0, batch.seg, keys_read.sum(dim=(1, 2)))
         summary_count = keys.span_len[:, None] - read.sum(dim=2)  # [S, Hkv]
         # The factors of every (span, KV head) pair with tokens read; no row is rebuilt: the attention works
@@ -227,4 +243,20 @@ class SpanDecoder:
             pair_span, pair_head, coef_k, basis_k, coef_v, basis_v, read[pair_span, pair_head], scale,
         )
         zoomed = torch.zeros(B, dtype=torch.int64, device=q.device).index_add_(0, batch.seg, whole.any(dim=1).long())
-        return DecodedLayer(out, zoomed, recalled)
+        return DecodedLayer(out, zoomed, recalled, exact.sum(dim=1))
+
+    def _exact_heads(self, batch: BatchSpans, q: torch.Tensor, full: list[tuple[torch.Tensor, torch.Tensor]],
+                     read: torch.Tensor, scale: float) -> torch.Tensor:
+        """[B, Hkv] bool: the KV heads whose rows read (read [S, Hkv, L]) hold less than their request's
+        fallback share of a query head's estimated attention (`segment_read_coverage`)."""
+        B, Hkv = len(batch.req_ids), read.shape[1]
+        if not bool((batch.fallbacks > 0).any()):
+            return torch.zeros(B, Hkv, dtype=torch.bool, device=q.device)
+        keys = batch.keys
+        key_logits = keys.centroid_logits_rows(q[batch.seg], self.policy.centroid_scale(scale))  # [S, H, C]
+        G = q.shape[1] // Hkv
+        full_lse = torch.stack([
+            torch.logsumexp(torch.einsum("hd,nhd->hn", q[i].float(), k.float().repeat_interleave(G, dim=1)) * scale,
+                            dim=1) for i, (k, _) in enumerate(full)])
+        cover = segment_read_coverage(key_logits, batch.seg, read[..., :key_logits.shape[2]], full_lse, Hkv)
+        return cover < batch.fallbacks[:, None]

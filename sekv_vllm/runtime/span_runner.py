@@ -71,7 +71,7 @@ class SpanRunner(MethodRunner):
         self.compression = SpanCompression(config, layer_names, self.policy, pool, OWN_BLOCK,
                                            load_eigh(config.decode_kernel))
         self.spans = SpanDecoder(self.policy, pool, config.max_span, config.recall_keys, config.whole_span_share,
-                                  config.whole_span_min_share)
+                                  config.whole_span_min_share, config.exact_fallback_coverage)
         self.kernel: ModuleType | None = load_kernel(config.decode_kernel)
 
     @property
@@ -104,10 +104,11 @@ class SpanRunner(MethodRunner):
         else:
             full = [m.rows[layer_name].view() for m in mems]
             got = self.spans.attend_torch(batch, layer, q, full, scale)
-        for mem, zoomed, recalled in zip(mems, got.zoomed.tolist(), got.recalled.tolist()):
+        for mem, zoomed, recalled, exact in zip(mems, got.zoomed.tolist(), got.recalled.tolist(), got.exact.tolist()):
             mem.decode_calls += 1
             mem.zoomed_spans_total += zoomed
             mem.recalled_keys_total += recalled
+            mem.exact_heads_total += exact
         return got.out
 
     def window_due(self, mem: RequestMemory) -> bool:

@@ -65,6 +65,10 @@ CASES = {
     "span_score, low-rank factors, every key at 4 bits, keys recalled": dict(
         budget_ratio=0.25, zoom_policy="span_score", r_max=8, score_centroids=32, score_bits=4),
     "router, every key in float16, keys recalled": dict(budget_ratio=0.7, score_centroids=32, score_bits=16),
+    # a KV head whose rows read hold less than 5% of a query head's estimated attention reads every row (random
+    # queries spread their attention: 1% to 14% here)
+    "router, every key at 2 bits, keys recalled, exact fallback": dict(budget_ratio=0.15, score_centroids=32,
+                                                                      exact_fallback_coverage=0.05),
     # head_dim 32 and 4 query heads per KV head: the kernel's scalar paths (its vector paths take 64 and 128)
     "span_score, every key at 2 bits, head_dim 32": dict(
         budget_ratio=0.25, zoom_policy="span_score", score_centroids=32, score_bits=2,
@@ -87,7 +91,8 @@ def test_kernel_matches_the_torch_path(case):
     q = torch.randn(3, shape.num_heads, shape.head_dim, generator=torch.Generator().manual_seed(4)) * 2
     ids = list(prompts)
     def zoomed() -> list[tuple[int, int]]:
-        return [(rt.requests[r].zoomed_spans_total, rt.requests[r].recalled_keys_total) for r in ids]
+        return [(rt.requests[r].zoomed_spans_total, rt.requests[r].recalled_keys_total,
+                 rt.requests[r].exact_heads_total) for r in ids]
 
     for name in LAYERS:
         before = zoomed()
@@ -97,15 +102,21 @@ def test_kernel_matches_the_torch_path(case):
         out = rt.attend_batch(ids, name, q, 0.125)
         rt.sekv.kernel = None
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
-        # as many spans zoomed and keys recalled by each path
-        assert [(m[0] - b[0], m[1] - b[1]) for m, b in zip(mid, before)] == \
-            [(a[0] - m[0], a[1] - m[1]) for a, m in zip(zoomed(), mid)]
+        # as many spans zoomed, keys recalled and KV heads read exactly by each path
+        assert [tuple(x - y for x, y in zip(m, b)) for m, b in zip(mid, before)] == \
+            [tuple(x - y for x, y in zip(a, m)) for a, m in zip(zoomed(), mid)]
     assert rt.requests["b"].zoomed_spans_total > 0 and rt.requests["c"].zoomed_spans_total > 0
     # keys are recalled where every key is a scoring centroid and recall is on, never for a request that zooms all
     for r in ("a", "b"):
         recalls = rt.config.recall_keys and rt.requests[r].score_centroids >= rt.config.max_span
         assert (rt.requests[r].recalled_keys_total > 0) == recalls, r
     assert rt.requests["c"].recalled_keys_total == 0
+    # the fallback reads some KV heads exactly, not all (the case's coverage splits them)
+    heads = [rt.requests[r].exact_heads_total for r in ("a", "b")]
+    if rt.config.exact_fallback_coverage > 0:
+        assert 0 < sum(heads) < 2 * 2 * len(LAYERS) * (shape.num_kv_heads), heads
+    else:
+        assert heads == [0, 0]
 
 
 def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
@@ -120,8 +131,9 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
         kernel.span_decode(q=torch.zeros(2, 9, 64), row_pages=[], page_table=[], num_full=torch.zeros(2, dtype=torch.int64),
                            **no_spans, code_bits=0, budgets=torch.zeros(2, dtype=torch.int64),
                            whole_budgets=torch.zeros(2, dtype=torch.int64), min_shares=torch.zeros(2),
+                           fallbacks=torch.zeros(2),
                            zoom_all=torch.zeros(2, dtype=torch.bool), recall_keys=True, **common)
-    with pytest.raises(TypeError):  # named arguments only: 31 of them, several of one type
+    with pytest.raises(TypeError):  # named arguments only: 32 of them, several of one type
         kernel.span_decode(torch.zeros(2, 9, 64), [], [], torch.zeros(2, dtype=torch.int64), **no_spans, **common)
     rows = rt.requests["a"].rows[LAYERS[0]]
     m = rt.pool.load("a", LAYERS[0])
@@ -132,7 +144,7 @@ def test_kernel_zooms_what_the_policy_would_and_refuses_bad_lists():
                 centroid_range=[m.keys.codes.range_of], code_bits=2, key_features=[],
                 coef_k=[m.bases_k.coef], basis_k=[torch.zeros(0)], coef_v=[m.bases_v.coef], basis_v=[torch.zeros(0)],
                 row_offset=[m.bases_k.row_offset], budgets=torch.tensor([4]), whole_budgets=torch.tensor([4]),
-                min_shares=torch.zeros(1), zoom_all=torch.tensor([False]),
+                min_shares=torch.zeros(1), fallbacks=torch.zeros(1), zoom_all=torch.tensor([False]),
                 recall_keys=True)
     with pytest.raises(RuntimeError, match="page_table entries must be pages of row_pages"):
         kernel.span_decode(**args)
@@ -256,3 +268,25 @@ def test_whole_spans_take_at_most_their_share_of_the_zoom_rows(path):
         mem = rt.requests[r]
         assert mem.zoom_budget > 32 and mem.zoomed_spans_total == 0
         assert mem.recalled_keys_total == mem.zoom_budget * SHAPE.num_kv_heads
+
+
+@pytest.mark.parametrize("path", ["torch", "cpp"])
+def test_exact_fallback_attends_every_row_as_a_request_that_zooms_all(path):
+    """A coverage no step reaches sends every KV head to every row: the output of a request that zooms every
+    span (exact attention at full rank); a coverage every step reaches changes nothing."""
+    kernel = kernel_or_skip() if path == "cpp" else None
+    cfg = dict(budget_ratio=0.15, zoom_policy="span_score")
+    always, never, plain, exact = (_runtime({"a": 900}, exact_fallback_coverage=f, **cfg) for f in (0.999999, 1e-9, 0.0, 0.0))
+    exact.requests["a"].zoom_all = True
+    q = torch.randn(1, SHAPE.num_heads, SHAPE.head_dim, generator=torch.Generator().manual_seed(8)) * 2
+    for rt in (always, never, plain, exact):
+        rt.sekv.kernel = kernel
+    for name in LAYERS:
+        ref = exact.attend_batch(["a"], name, q, 0.125)
+        out = always.attend_batch(["a"], name, q, 0.125)
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+        assert torch.equal(never.attend_batch(["a"], name, q, 0.125), plain.attend_batch(["a"], name, q, 0.125))
+    assert always.requests["a"].exact_heads_total == SHAPE.num_kv_heads * len(LAYERS)
+    assert always.requests["a"].recalled_keys_total == 0
+    assert never.requests["a"].exact_heads_total == 0 and never.requests["a"].recalled_keys_total > 0
+    assert not torch.allclose(plain.attend_batch(["a"], LAYERS[0], q, 0.125), ref, atol=1e-3)
