@@ -25,9 +25,9 @@ def segment_read_coverage(key_logits: torch.Tensor, seg: torch.Tensor, read: tor
     """
     S, H, C = key_logits.shape
     B, G = full_lse.shape[0], H // num_kv_heads
-    unread = ~read.repeat_interleave(G, dim=1)
+    read_q = read.repeat_interleave(G, dim=1)  # [S, H, C]
     every = segment_logsumexp(torch.logsumexp(key_logits, dim=2), seg, B)  # [B, H]
-    missed = segment_logsumexp(torch.logsumexp(key_logits.masked_fill(~unread, float("-inf")), dim=2), seg, B)
+    missed = segment_logsumexp(torch.logsumexp(key_logits.masked_fill(read_q, float("-inf")), dim=2), seg, B)
     total = torch.logaddexp(full_lse, every)
     # 1 - (unread mass) / total, computed from the unread side: a head that reads nearly everything is near 1
     cover = -torch.expm1(missed - total)

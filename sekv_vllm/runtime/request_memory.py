@@ -311,7 +311,7 @@ class SeKVRuntime:
             "sekv: %s %s after %d decode steps; mean zoomed spans per layer-step %.1f of %d; KV heads reading "
             "every row per layer-step %.2f",
             req_id, outcome, figures["decode_steps"], figures["mean_zoomed_spans"], figures["spans"],
-            figures.get("mean_exact_heads", 0.0),
+            figures["mean_exact_heads"],
         )
         self.completed_figures.append(figures)
         if self.config.stats_path:
