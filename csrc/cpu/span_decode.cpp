@@ -598,7 +598,8 @@ std::vector<torch::Tensor> span_decode(
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> cent(D), step(D), unshift(D), qstep(G * D), base(G), val, acc_c, lcount, learned_term,
-        group, logits, scores, lse, sums, qb, acc, key_logit, key_shift, rebuilt, sum_k, sum_v;
+        group, logits, scores, lse, sums, qb, acc, key_logit, key_shift, rebuilt, sum_k, sum_v,
+        full_logit;
     const std::vector<float> zero_row(D, 0.f);
     std::vector<const float*> krows, vrows;
     std::vector<uint64_t> order, picks;
@@ -840,39 +841,41 @@ std::vector<torch::Tensor> span_decode(
       if (r.recall && r.fallback > 0.f) {
         key_read.assign(S * C, 0);
         for (size_t i = 0; i < key_span.size(); ++i) key_read[key_span[i] * C + key_token[i]] = 1;
+        full_logit.resize(r.num_full);
         float least = 1.f;
         for (int64_t g = 0; g < G; ++g) {
-          // logsumexps of the rows read and of the keys not read, each as (max, sum of exp(x - max))
-          float read_max = kNegInf, read_sum = 0.f, miss_max = kNegInf, miss_sum = 0.f;
-          auto add = [](float x, float& m, float& sum) {
-            if (x == kNegInf) return;
-            if (x > m) {
-              sum = sum * std::exp(m - x) + 1.f;
-              m = x;
-            } else {
-              sum += std::exp(x - m);
-            }
-          };
+          // exp-sums of the rows read and of the keys not read, both against the largest logit of all (the share
+          // read is their ratio), in two passes so that the sums vectorise
+          float top = kNegInf;
           for (int64_t i = 0; i < r.num_full; ++i) {
-            add(dot(qg + g * D, full_row(r, i, kh, false, Hkv, D), D) * fscale, read_max, read_sum);
+            full_logit[i] = dot(qg + g * D, full_row(r, i, kh, false, Hkv, D), D) * fscale;
+            top = std::max(top, full_logit[i]);
           }
           for (int64_t s = 0; s < S; ++s) {
             const float* kl = key_logit.data() + (s * G + g) * C;
-            for (int64_t c = 0; c < r.span_len[s]; ++c) {
-              if (zoomed[s] || key_read[s * C + c]) {
-                add(kl[c], read_max, read_sum);
-              } else {
-                add(kl[c], miss_max, miss_sum);
-              }
+            for (int64_t c = 0; c < r.span_len[s]; ++c) top = std::max(top, kl[c]);
+          }
+          if (top == kNegInf) continue;
+          float read = 0.f, miss = 0.f;
+          for (int64_t i = 0; i < r.num_full; ++i) read += exp_poly(full_logit[i] - top);
+          for (int64_t s = 0; s < S; ++s) {
+            const float* kl = key_logit.data() + (s * G + g) * C;
+            const int64_t len = r.span_len[s];
+            if (zoomed[s]) {
+#pragma omp simd reduction(+ : read)
+              for (int64_t c = 0; c < len; ++c) read += exp_poly(kl[c] - top);
+              continue;
+            }
+            const char* kr = key_read.data() + s * C;
+#pragma omp simd reduction(+ : read, miss)
+            for (int64_t c = 0; c < len; ++c) {
+              const float e = exp_poly(kl[c] - top);
+              read += kr[c] ? e : 0.f;
+              miss += kr[c] ? 0.f : e;
             }
           }
-          if (miss_max == kNegInf) continue;
-          const float read_lse = read_max == kNegInf ? kNegInf : read_max + std::log(read_sum);
-          const float miss_lse = miss_max + std::log(miss_sum);
-          // the share read: 1 - exp(miss - logaddexp(read, miss)), as the torch path computes it
-          const float top = std::max(read_lse, miss_lse);
-          const float total = top + std::log(std::exp(read_lse - top) + std::exp(miss_lse - top));
-          least = std::min(least, -std::expm1(miss_lse - total));
+          if (miss == 0.f) continue;
+          least = std::min(least, read / (read + miss));
         }
         if (least < r.fallback) {
           std::fill(zoomed.begin(), zoomed.end(), 1);
