@@ -248,12 +248,17 @@ class RequestOverrides(BaseModel):
     sekv_token_budget: int | None = Field(None, ge=1)
     sekv_kv_bits: Literal[2, 4, 8, 16] | None = Field(None, description="bits of this request's kept rows "
                                                       "(a method that quantizes them, named by sekv_method)")
+    sekv_exact_fallback_coverage: float | None = Field(
+        None, ge=0.0, lt=1.0, description="this request's `exact_fallback_coverage` (SeKV's; 0: never)")
 
     @model_validator(mode="after")
-    def _kv_bits_with_its_method(self) -> "RequestOverrides":
+    def _settings_with_their_method(self) -> "RequestOverrides":
         if self.sekv_kv_bits is not None and self.sekv_method not in QUANTIZING_METHODS:
             raise ValueError(f"sekv_kv_bits needs sekv_method naming a method whose kept rows may be quantized: "
                              f"one of {sorted(QUANTIZING_METHODS)} (got sekv_method={self.sekv_method!r})")
+        if self.sekv_exact_fallback_coverage is not None and self.sekv_method not in (None, SEKV):
+            raise ValueError(f"sekv_exact_fallback_coverage is a setting of method {SEKV!r} "
+                             f"(got sekv_method={self.sekv_method!r})")
         return self
 
     @classmethod

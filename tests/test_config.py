@@ -46,3 +46,22 @@ def test_request_overrides_ignore_other_keys_and_refuse_unknown_sekv_keys():
     assert RequestOverrides.from_extra_args({"sekv_compress": 0}).sekv_compress is False
     with pytest.raises(SeKVConfigError, match=r"unknown per-request field\(s\) \['sekv_ratio'\]; allowed: "):
         RequestOverrides.from_extra_args({"sekv_ratio": 0.5})
+
+
+def test_a_request_sets_its_exact_fallback_for_sekv_only():
+    from sekv_vllm.router import ModelShape
+    from sekv_vllm.runtime import SeKVRuntime, Status
+
+    assert RequestOverrides.from_extra_args({"sekv_exact_fallback_coverage": 0.8}).sekv_exact_fallback_coverage == 0.8
+    with pytest.raises(SeKVConfigError, match="sekv_exact_fallback_coverage: Input should be less than 1"):
+        RequestOverrides.from_extra_args({"sekv_exact_fallback_coverage": 1.0})
+    with pytest.raises(SeKVConfigError, match="sekv_exact_fallback_coverage is a setting of method 'sekv'"):
+        RequestOverrides.from_extra_args({"sekv_exact_fallback_coverage": 0.5, "sekv_method": "snapkv"})
+    shape = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    sekv = SeKVRuntime(SeKVConfig(min_prompt_tokens=10), ["l0"], shape)
+    assert sekv.admit("a", 500, {"sekv_exact_fallback_coverage": 0.8}).exact_fallback_coverage == 0.8
+    assert sekv.admit("b", 500, None).exact_fallback_coverage is None
+    # a deployment of another method cannot apply it: the request keeps full KV and says why
+    snapkv = SeKVRuntime(SeKVConfig(method="snapkv", min_prompt_tokens=10), ["l0"], shape)
+    mem = snapkv.admit("c", 500, {"sekv_exact_fallback_coverage": 0.8})
+    assert mem.status is Status.FULL_KV and "deployment's method is 'snapkv'" in mem.reason

@@ -83,13 +83,17 @@ class SeKVRuntime:
         try:
             overrides = RequestOverrides.from_extra_args(extra_args)
             method = overrides.sekv_method or method
+            if overrides.sekv_exact_fallback_coverage is not None and method != SEKV:
+                raise ValueError(f"sekv_exact_fallback_coverage is a setting of method {SEKV!r}, and this "
+                                 f"deployment's method is {method!r}: name sekv_method {SEKV!r} with it")
             budget = self.config.budget_for(prompt_len, overrides)
             reason = self._full_kv_reason(prompt_len, overrides, method, budget)
         except ValueError as err:
             budget, reason = prompt_len, f"bad per-request settings: {err}"
             logger.warning("sekv: request %s keeps full KV: %s", req_id, reason)
         mem = RequestMemory(req_id, prompt_len, budget, Status.FULL_KV if reason else Status.PREFILLING, reason,
-                            method=method, kv_bits=overrides.sekv_kv_bits if not reason else None)
+                            method=method, kv_bits=overrides.sekv_kv_bits if not reason else None,
+                            exact_fallback_coverage=overrides.sekv_exact_fallback_coverage if not reason else None)
         if not reason and self.methods[method].needs_surprisal:
             mem.surprisal = torch.zeros(prompt_len, dtype=torch.float32)
         self.requests[req_id] = mem

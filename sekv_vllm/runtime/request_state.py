@@ -28,6 +28,7 @@ class RequestMemory:
     reason: str = ""
     method: str = SEKV  # `sekv` (spans) or a row-keeping method's name
     kv_bits: int | None = None  # the request's `sekv_kv_bits` (None: its method's setting)
+    exact_fallback_coverage: float | None = None  # the request's `sekv_exact_fallback_coverage` (None: SeKV's setting)
     surprisal: torch.Tensor | None = None  # [>= T] float32 by position, s_0 = 0 (output tokens' too, once known)
     layout: SpanLayout | None = None
     zoom_budget: int = 0

@@ -163,13 +163,18 @@ class SpanDecoder:
             whole_budgets=torch.tensor([int(m.zoom_budget * self.whole_span_share) if r else m.zoom_budget
                                         for m, r in zip(mems, recalls)], dtype=torch.int64),
             min_shares=torch.tensor([self.whole_span_min_share if r else 0.0 for r in recalls], dtype=torch.float32),
-            fallbacks=torch.tensor([self.exact_fallback_coverage if r else 0.0 for r in recalls], dtype=torch.float32),
+            fallbacks=torch.tensor([self._fallback(m) if r else 0.0 for m, r in zip(mems, recalls)],
+                                   dtype=torch.float32),
             zoom_all=torch.tensor([m.zoom_all for m in mems], dtype=torch.bool),
             per_key=torch.repeat_interleave(torch.tensor(recalls), torch.tensor(counts, dtype=torch.int64)),
             span_offset=[0, *itertools.accumulate(counts)][:-1],
         )
         self._cache[layer_name] = batch
         return batch
+
+    def _fallback(self, mem: RequestMemory) -> float:
+        """The request's exact-fallback coverage: its own (`sekv_exact_fallback_coverage`) or the deployment's."""
+        return self.exact_fallback_coverage if mem.exact_fallback_coverage is None else mem.exact_fallback_coverage
 
     def attend_kernel(self, kernel: ModuleType, batch: BatchSpans, layer: int, q: torch.Tensor, rows: list[PagedRows],
                       new_k: torch.Tensor | None, new_v: torch.Tensor | None, scale: float) -> DecodedLayer:

@@ -20,13 +20,15 @@ def kernel_or_skip():
         pytest.skip(f"C++ kernel not buildable here: {err}")
 
 
-def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, **cfg) -> SeKVRuntime:
+def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, extra_args: dict[str, dict] | None = None,
+             **cfg) -> SeKVRuntime:
+    """Compressed requests of these prompt lengths (extra_args: a request's per-request settings)."""
     rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, shape,
                      "SmolLM2-135M-Instruct")
     Hkv, D = shape.num_kv_heads, shape.head_dim
     g = torch.Generator().manual_seed(11)
     for req, T in prompts.items():
-        rt.admit(req, T, None)
+        rt.admit(req, T, (extra_args or {}).get(req))
         rt.record_surprisal(req, torch.arange(1, T), torch.rand(T - 1, generator=g) * 6)
         # keys drifting between a few directions, like real keys: spans differ in what they hold
         directions = torch.randn(6, Hkv, D, generator=g) * 2
@@ -290,3 +292,26 @@ def test_exact_fallback_attends_every_row_as_a_request_that_zooms_all(path):
     assert always.requests["a"].recalled_keys_total == 0
     assert never.requests["a"].exact_heads_total == 0 and never.requests["a"].recalled_keys_total > 0
     assert not torch.allclose(plain.attend_batch(["a"], LAYERS[0], q, 0.125), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["torch", "cpp"])
+def test_exact_fallback_per_request_overrides_the_deployments(path):
+    """`sekv_exact_fallback_coverage` sets one request's coverage in a batch: a request asking for one no step
+    reaches reads every row beside one that asks for none, whatever the deployment's."""
+    kernel = kernel_or_skip() if path == "cpp" else None
+    cfg = dict(budget_ratio=0.15, zoom_policy="span_score")
+    prompts = {"a": 900, "b": 900}
+    asked = _runtime(prompts, extra_args={"a": {"sekv_exact_fallback_coverage": 0.999999},
+                                          "b": {"sekv_exact_fallback_coverage": 0.0}},
+                     exact_fallback_coverage=0.5, **cfg)
+    always = _runtime(prompts, exact_fallback_coverage=0.999999, **cfg)
+    never = _runtime(prompts, **cfg)
+    q = torch.randn(2, SHAPE.num_heads, SHAPE.head_dim, generator=torch.Generator().manual_seed(9)) * 2
+    for rt in (asked, always, never):
+        rt.sekv.kernel = kernel
+    for name in LAYERS:
+        out = asked.attend_batch(["a", "b"], name, q, 0.125)
+        assert torch.allclose(out[0], always.attend_batch(["a", "b"], name, q, 0.125)[0], atol=1e-6, rtol=1e-5)
+        assert torch.allclose(out[1], never.attend_batch(["a", "b"], name, q, 0.125)[1], atol=1e-6, rtol=1e-5)
+    assert asked.requests["a"].exact_heads_total == SHAPE.num_kv_heads * len(LAYERS)
+    assert asked.requests["b"].exact_heads_total == 0
