@@ -116,6 +116,9 @@ def worker(spec: dict) -> dict:
         out["compressed_requests"] = len(figs)
         if figs:
             out["fast_tier_fraction"] = round(statistics.mean(f["fast_tier_fraction"] for f in figs), 4)
+            exact = [f["mean_exact_heads"] for f in figs if "mean_exact_heads" in f]
+            if exact:  # KV heads per layer and step that read every prompt row (`exact_fallback_coverage`)
+                out["mean_exact_heads"] = round(statistics.mean(exact), 3)
     return out
 
 
