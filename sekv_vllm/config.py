@@ -92,6 +92,8 @@ class SeKVConfig(BaseModel):
         "at least this share of its request's span scores (a softmax over the spans' scores, per KV head): where "
         "no span stands out the zoom spreads over single keys of many spans, a span that dominates is read whole; "
         "0: whole spans by score alone")
+    # Off until 0.5 is measured on the whole `zoom` profile (docs/results.md, "Exact fallback"): 0.8 costs 36% of
+    # the wall time of 32 x 4K prompts x 512 tokens on essays, 0.5 ~4% per output token (8 x 4K x 128)
     exact_fallback_coverage: float = Field(
         0.0, ge=0.0, lt=1.0, description="where keys are recalled: a KV head whose rows read this step (full "
         "rows, zoomed spans, recalled keys) hold less than this share of one of its query heads' attention "

@@ -22,7 +22,9 @@ def kernel_or_skip():
 
 def _runtime(prompts: dict[str, int], shape: ModelShape = SHAPE, extra_args: dict[str, dict] | None = None,
              **cfg) -> SeKVRuntime:
-    """Compressed requests of these prompt lengths (extra_args: a request's per-request settings)."""
+    """Compressed requests of these prompt lengths (extra_args: a request's per-request settings); the exact
+    fallback off unless cfg sets it (random queries spread their attention: it would read every row)."""
+    cfg.setdefault("exact_fallback_coverage", 0.0)
     rt = SeKVRuntime(SeKVConfig(min_prompt_tokens=10, decode_kernel="torch", **cfg), LAYERS, shape,
                      "SmolLM2-135M-Instruct")
     Hkv, D = shape.num_kv_heads, shape.head_dim
