@@ -92,10 +92,11 @@ class SeKVConfig(BaseModel):
         "at least this share of its request's span scores (a softmax over the spans' scores, per KV head): where "
         "no span stands out the zoom spreads over single keys of many spans, a span that dominates is read whole; "
         "0: whole spans by score alone")
-    # Off until 0.5 is measured on the whole `zoom` profile (docs/results.md, "Exact fallback"): 0.8 costs 36% of
-    # the wall time of 32 x 4K prompts x 512 tokens on essays, 0.5 ~4% per output token (8 x 4K x 128)
+    # 0.5: on the `zoom` profile as accurate as 0.8 (1.00x / 1.03x full KV at 12.5% / 25% against 1.02x / 1.01x)
+    # for a fifth of its exact reads; 0.8 costs 36% of the wall time of 32 x 4K essays x 512 tokens, 0.5 ~4% per
+    # output token (docs/results.md, "Exact fallback")
     exact_fallback_coverage: float = Field(
-        0.0, ge=0.0, lt=1.0, description="where keys are recalled: a KV head whose rows read this step (full "
+        0.5, ge=0.0, lt=1.0, description="where keys are recalled: a KV head whose rows read this step (full "
         "rows, zoomed spans, recalled keys) hold less than this share of one of its query heads' attention "
         "(estimated: full rows exactly, every other key by its scoring code) reads every prompt row instead, "
         "from the host pool, for that step (the fast tier's bytes are unchanged; `mean_exact_heads` counts "
